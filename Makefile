@@ -1,0 +1,21 @@
+# The two entry points of README.md; each does the whole set-up first on a fresh machine.
+VENV := .venv
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup demo test lint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+demo: setup
+	$(VENV)/bin/dpcfl probe --samples 2000 --epsilon 10 --out results/probe
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check dpcfl_flwr tests
+	$(VENV)/bin/mypy dpcfl_flwr

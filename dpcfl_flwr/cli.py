@@ -1,0 +1,166 @@
+"""The ``dpcfl`` command line."""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .data import DataError
+from .privacy import plan_noise, two_stage_schedule
+from .privacy.schedule import FULL_BATCH
+
+app = typer.Typer(help="Differentially private clustered federated learning on Flower.",
+                  no_args_is_help=True, add_completion=False)
+privacy_app = typer.Typer(help="Privacy accounting tools.", no_args_is_help=True)
+app.add_typer(privacy_app, name="privacy")
+
+console = Console()
+# Errors go to stderr on one line, never wrapped: they are read by people and by log scrapers.
+error_console = Console(stderr=True, soft_wrap=True)
+
+
+class ConversionChoice(StrEnum):
+    CLASSIC = "classic"
+    TIGHT = "tight"
+
+
+class BudgetModeChoice(StrEnum):
+    SPLIT = "split"
+    JOINT = "joint"
+
+
+def _parse_first_batch(value: str) -> int | Literal["full"]:
+    if value == FULL_BATCH:
+        return "full"
+    try:
+        batch = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"expected 'full' or a positive integer, got {value!r}") from None
+    if batch < 1:
+        raise typer.BadParameter(f"expected a positive batch size, got {batch}")
+    return batch
+
+
+def _fail(message: str) -> None:
+    error_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    raise typer.Exit(code=2)
+
+
+@privacy_app.command("noise")
+def privacy_noise(
+    samples: int = typer.Option(..., "--samples", min=2, help="Training samples N_i."),
+    batch: int = typer.Option(..., "--batch", min=1, help="Batch size b in rounds 2..E."),
+    first_batch: str = typer.Option(
+        FULL_BATCH, "--first-batch", help="Round-1 batch: 'full' (R-DPCFL) or an int (= --batch "
+        "gives the baselines' single-stage schedule)."),
+    epsilon: float = typer.Option(..., "--epsilon", min=0.0, help="Total budget eps."),
+    delta: float = typer.Option(1e-4, "--delta", min=0.0, max=1.0, help="Target delta."),
+    rounds: int = typer.Option(..., "--rounds", min=1, help="Communication rounds E."),
+    epochs: int = typer.Option(1, "--epochs", min=1, help="Local epochs K per round."),
+    conversion: ConversionChoice = typer.Option(ConversionChoice.CLASSIC, "--conversion"),
+    select_rounds: int = typer.Option(0, "--select-rounds", min=0,
+                                      help="Private cluster selections T_sel to reserve for."),
+    select_ratio: float = typer.Option(0.03, "--select-ratio", min=0.0, max=1.0,
+                                       help="eps_select = ratio * eps."),
+    budget_mode: BudgetModeChoice = typer.Option(
+        BudgetModeChoice.SPLIT, "--budget-mode",
+        help="split: the authors' eps_train = eps - eps_clustering; joint: one RDP conversion."),
+    paper_steps: bool = typer.Option(
+        False, "--paper-steps", help="Count N/b steps per epoch (the authors' planning formula) "
+        "instead of the ceil(N/b) a client executes."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Calibrate the noise multiplier z for a client's whole DP-SGD schedule."""
+    first = _parse_first_batch(first_batch)
+    try:
+        schedule = two_stage_schedule(samples, batch, epochs, rounds, first, exact=not paper_steps)
+        plan = plan_noise(schedule, epsilon, delta, select_rounds, select_ratio,
+                          conversion.value, budget_mode.value)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
+    result = {
+        **plan.to_dict(),
+        "noise_multiplier_2dp_up": math.ceil(plan.noise_multiplier * 100) / 100,
+        "samples": samples, "batch": batch, "first_batch": first, "rounds": rounds,
+        "epochs": epochs,
+    }
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    _print_noise_table(result, select_rounds > 0)
+
+
+def _print_noise_table(result: dict, with_selection: bool) -> None:
+    split = result["split"]
+    table = Table(title="DP-SGD noise calibration", show_header=False)
+    table.add_row("noise multiplier z", f"{result['noise_multiplier']:.4f}")
+    table.add_row("z rounded up (2 dp)", f"{result['noise_multiplier_2dp_up']:.2f}")
+    table.add_row("schedule", ", ".join(
+        f"{p['steps']:g} steps at q={p['sample_rate']:.4g}" for p in result["phases"]))
+    table.add_row("epsilon total / delta", f"{split['epsilon_total']:g} / {split['delta']:g}")
+    table.add_row("conversion", split["conversion"])
+    if with_selection:
+        table.add_row("budget mode", split["mode"])
+        table.add_row("eps_select (per selection)", f"{split['epsilon_select']:.4f}")
+        table.add_row("selections T_sel", str(split["select_rounds"]))
+        table.add_row("eps_clustering", f"{split['epsilon_clustering']:.4f}")
+        table.add_row("eps_train", f"{split['epsilon_train']:.4f}")
+    console.print(table)
+
+
+@app.command("probe")
+def probe(
+    dataset: str = typer.Option("fmnist", help="fmnist | mnist | cifar10."),
+    data_dir: str = typer.Option(None, help="Dataset directory (Fashion-MNIST: auto-detected)."),
+    clusters: str = typer.Option("3,6,6,6", help="Clients per true cluster; cluster 0 first."),
+    shift: str = typer.Option("rotation", help="rotation | label_flip."),
+    model: str = typer.Option("cnn", help="cnn | resnet18."),
+    samples: int = typer.Option(2000, min=2, help="Training samples per client N_i."),
+    epsilon: float = typer.Option(10.0, min=0.0), delta: float = typer.Option(1e-4),
+    rounds: int = typer.Option(200, min=1, help="E, for the noise calibration."),
+    batch: int = typer.Option(32, min=1, help="b in rounds 2..E."),
+    first_batch: str = typer.Option(FULL_BATCH, help="Round-1 batch: full or an int."),
+    lr: float = typer.Option(0.005), clip: float = typer.Option(3.0),
+    n_clusters: int = typer.Option(4, help="M; 0 = choose by maximum MSS over 2..10."),
+    seed: int = typer.Option(0), threads: int = typer.Option(1, min=1),
+    out: Path = typer.Option(Path("results/probe"), help="Directory for probe.json + plot."),
+) -> None:
+    """Round 1 only: do the clients' DP updates reveal their clusters? (Fig. 5, RQ5)"""
+    from .probe import ProbeSettings, run_probe
+    from .training import configure_threads
+
+    configure_threads(threads)
+    settings = ProbeSettings(dataset, data_dir, clusters, shift, model, samples, epsilon, delta,
+                             rounds, batch, _parse_first_batch(first_batch), max(rounds // 10, 1),
+                             lr, clip, n_clusters or None, seed)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("round-1 DP-SGD per client", total=sum(
+            int(c) for c in clusters.split(",")))
+        try:
+            result = run_probe(settings, out, progress=lambda _: bar.advance(task))
+        except (ValueError, DataError) as exc:
+            _fail(str(exc))
+            return
+    table = Table(title=f"round-1 clustering probe ({out})", show_header=False)
+    for key in ("noise_multiplier", "n_clusters", "mss", "mpo", "switch_round", "em_iterations",
+                "ari"):
+        value = result[key]
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

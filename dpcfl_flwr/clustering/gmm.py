@@ -1,0 +1,169 @@
+"""The server's clustering of round-1 updates (spec §2.6): PCA to 2-D, scaling, spherical GMM.
+
+Round-1 updates of clients in one cluster are draws from one isotropic Gaussian (Lemma 4.1), so
+a spherical GMM fits them; its separation score MSS = min over pairs of
+||mu_m - mu_m'|| / (2 max(r_m, r_m')) and overlap MPO = 2 Q(MSS) say how trustworthy the fit is,
+and set the switch round E_c = floor((1 - MPO) E / 2). All of it is post-processing of DP
+outputs and costs no privacy.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.mixture import GaussianMixture
+
+# Columns are standardised and multiplied in blocks so that p = 11M parameters never needs
+# more than n x block floats beyond the update matrix itself.
+_COLUMN_BLOCK = 1 << 20
+
+
+def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
+    """The authors' projection: principal axes of the per-parameter standardised updates,
+    applied to the raw updates (spec §2.6 step 2). Returns an (n, n_components) array.
+
+    Computed from n x n Gram matrices, which equals sklearn's StandardScaler + PCA up to the
+    sign of each axis (irrelevant downstream: scaling and the GMM are reflection-equivariant).
+    """
+    x = np.asarray(updates)
+    n, p = x.shape
+    if n < 2 or p < 1:
+        raise ValueError(f"need at least 2 updates with >= 1 parameter, got shape {x.shape}")
+    gram = np.zeros((n, n))
+    cross = np.zeros((n, n))
+    for start in range(0, p, _COLUMN_BLOCK):
+        block = x[:, start:start + _COLUMN_BLOCK].astype(np.float64)
+        std = block.std(axis=0)
+        std[std == 0] = 1.0  # constant parameters carry no direction (as StandardScaler does)
+        scaled = (block - block.mean(axis=0)) / std
+        gram += scaled @ scaled.T
+        cross += block @ scaled.T
+    eigenvalues, eigenvectors = np.linalg.eigh(gram)
+    order = np.argsort(eigenvalues)[::-1][:n_components]
+    singular = np.sqrt(np.clip(eigenvalues[order], 0.0, None))
+    if np.any(singular <= 1e-12 * max(singular.max(initial=0.0), 1.0)):
+        raise ValueError("the updates span fewer than 2 directions; nothing to cluster")
+    return cross @ eigenvectors[:, order] / singular
+
+
+def scale_points(points: np.ndarray, scaler: str = "minmax") -> np.ndarray:
+    """Map each axis to [0, 1] (``minmax``, the authors' default) or to zero mean, unit std."""
+    if scaler == "minmax":
+        span = points.max(axis=0) - points.min(axis=0)
+        return (points - points.min(axis=0)) / np.where(span > 0, span, 1.0)
+    if scaler == "standard":
+        std = points.std(axis=0)
+        return (points - points.mean(axis=0)) / np.where(std > 0, std, 1.0)
+    raise ValueError(f"scaler must be 'minmax' or 'standard', got {scaler!r}")
+
+
+def separation_scores(means: np.ndarray, radii: np.ndarray) -> np.ndarray:
+    """SS(m, m') = ||mu_m - mu_m'|| / (2 max(r_m, r_m')), with +inf on the diagonal."""
+    distances = np.linalg.norm(means[:, None, :] - means[None, :, :], axis=-1)
+    scores = distances / (2 * np.maximum(radii[:, None], radii[None, :]))
+    np.fill_diagonal(scores, np.inf)
+    return scores
+
+
+def overlap(score: float) -> float:
+    """Pairwise overlap 2 Q(SS) = erfc(SS / sqrt 2) of two equal spherical Gaussians."""
+    return math.erfc(score / math.sqrt(2))
+
+
+@dataclass(frozen=True)
+class GMMFit:
+    """One spherical GMM fitted to the projected points, with uniform weights (spec §2.6)."""
+
+    means: np.ndarray
+    radii: np.ndarray
+    responsibilities: np.ndarray
+    n_iter: int
+    converged: bool
+    mss: float
+    mpo: float
+
+
+def fit_spherical_gmm(
+    points: np.ndarray, n_clusters: int, random_state: int = 0, tol: float = 1e-6,
+    max_iter: int = 100,
+) -> GMMFit:
+    """Spherical GMM with k-means++ init and uniform weights, as the authors fit it."""
+    if not 2 <= n_clusters <= len(points):
+        raise ValueError(f"cannot fit {n_clusters} clusters to {len(points)} points")
+    uniform = np.full(n_clusters, 1.0 / n_clusters)
+    gmm = GaussianMixture(
+        n_components=n_clusters, covariance_type="spherical", init_params="k-means++",
+        tol=tol, max_iter=max_iter, random_state=random_state, weights_init=uniform,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        gmm.fit(points)
+    gmm.weights_ = uniform  # the authors force uniform weights before the soft assignment
+    radii = np.sqrt(gmm.covariances_)
+    mss = float(separation_scores(gmm.means_, radii).min())
+    return GMMFit(
+        gmm.means_, radii, gmm.predict_proba(points), int(gmm.n_iter_), bool(gmm.converged_),
+        mss, overlap(mss),
+    )
+
+
+def switch_round(mpo: float, rounds: int) -> int:
+    """E_c = floor((1 - MPO) * E / 2): the last round of the soft-clustering stage."""
+    if not 0.0 <= mpo <= 1.0:
+        raise ValueError(f"MPO must lie in [0, 1], got {mpo}")
+    return int(math.floor((1.0 - mpo) * rounds / 2))
+
+
+class UpdateClusterer:
+    """Clusters clients from their round-1 updates; reads like a scikit-learn estimator.
+
+    With ``n_clusters=None`` the number of clusters M is the candidate with the largest MSS
+    (least uncertain GMM), over ``candidate_clusters`` (2..10 by default, capped at n - 1).
+    After ``fit``: ``points_`` (scaled 2-D projection), ``n_clusters_``, ``means_``,
+    ``radii_``, ``responsibilities_`` (pi_i, n x M), ``labels_``, ``mss_``, ``mpo_``,
+    ``n_iter_`` (EM iterations), ``converged_`` and ``candidate_mss_`` (M -> MSS).
+    """
+
+    def __init__(
+        self, n_clusters: int | None = None,
+        candidate_clusters: Sequence[int] = tuple(range(2, 11)), scaler: str = "minmax",
+        tol: float = 1e-6, max_iter: int = 100, random_state: int = 0, n_components: int = 2,
+    ) -> None:
+        self.n_clusters = n_clusters
+        self.n_components = n_components
+        self.candidate_clusters = tuple(candidate_clusters)
+        self.scaler = scaler
+        self.tol = tol
+        self.max_iter = max_iter
+        self.random_state = random_state
+
+    def _candidates(self, n_points: int) -> list[int]:
+        if self.n_clusters is not None:
+            return [self.n_clusters]
+        candidates = [m for m in self.candidate_clusters if 2 <= m < n_points]
+        if not candidates:
+            raise ValueError(f"no candidate number of clusters fits {n_points} clients")
+        return candidates
+
+    def fit(self, updates: np.ndarray) -> UpdateClusterer:
+        """Fit on an (n clients, p parameters) matrix of round-1 updates."""
+        self.projection_ = project_updates(updates, self.n_components)
+        self.points_ = scale_points(self.projection_, self.scaler)
+        fits = {
+            m: fit_spherical_gmm(self.points_, m, self.random_state, self.tol, self.max_iter)
+            for m in self._candidates(len(self.points_))
+        }
+        self.candidate_mss_ = {m: fit.mss for m, fit in fits.items()}
+        self.n_clusters_ = max(fits, key=lambda m: (fits[m].mss, -m))
+        best = fits[self.n_clusters_]
+        self.means_, self.radii_ = best.means, best.radii
+        self.responsibilities_ = best.responsibilities
+        self.labels_ = best.responsibilities.argmax(axis=1)
+        self.mss_, self.mpo_ = best.mss, best.mpo
+        self.n_iter_, self.converged_ = best.n_iter, best.converged
+        return self

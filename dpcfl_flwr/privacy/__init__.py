@@ -1,0 +1,29 @@
+"""Privacy accounting: SGM RDP, calibration, budget split, exponential mechanism, ledger."""
+
+from .budget import BudgetMode, BudgetSplit, NoisePlan, plan_noise, split_budget
+from .calibration import calibrate_noise_multiplier, schedule_epsilon
+from .ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
+from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
+from .schedule import (
+    FULL_BATCH,
+    GaussianPhase,
+    round_phase,
+    single_stage_schedule,
+    steps_per_round,
+    two_stage_schedule,
+)
+from .selection import (
+    accuracy_sensitivity,
+    select_cluster,
+    selection_probabilities,
+    selection_rdp,
+)
+
+__all__ = [
+    "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "GaussianPhase",
+    "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Selection",
+    "accuracy_sensitivity", "calibrate_noise_multiplier", "plan_noise", "rdp_to_dp",
+    "round_phase", "schedule_epsilon", "select_cluster", "selection_probabilities",
+    "selection_rdp", "sgm_rdp", "single_stage_schedule", "split_budget", "steps_per_round",
+    "two_stage_schedule",
+]

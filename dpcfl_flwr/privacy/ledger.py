@@ -1,0 +1,204 @@
+"""A silo's privacy ledger: every mechanism it ran, composed in RDP, converted once.
+
+Modelled on Opacus' accountants (a plain history list, saved and restored), but it also
+records exponential-mechanism selections and lives in a JSON file the silo owns, written
+atomically, so that neither a crash nor a restart can reset the budget (ARCHITECTURE: the
+server is not trusted with privacy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
+from .selection import selection_rdp
+
+LEDGER_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class GaussianSteps:
+    """``steps`` DP-SGD steps at Poisson rate ``sample_rate`` with noise multiplier z."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    round: int | None = None
+    kind: Literal["gaussian"] = "gaussian"
+
+    def __post_init__(self) -> None:
+        if self.noise_multiplier <= 0 or not 0 < self.sample_rate <= 1 or self.steps < 0:
+            raise ValueError(f"invalid Gaussian entry {self}")
+
+    def rdp(self, orders: Sequence[float]) -> np.ndarray:
+        return sgm_rdp(self.sample_rate, self.noise_multiplier, self.steps, orders)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """``count`` eps-DP exponential-mechanism selections."""
+
+    epsilon: float
+    count: int = 1
+    round: int | None = None
+    kind: Literal["selection"] = "selection"
+
+    def __post_init__(self) -> None:
+        if self.epsilon <= 0 or self.count < 0:
+            raise ValueError(f"invalid selection entry {self}")
+
+    def rdp(self, orders: Sequence[float]) -> np.ndarray:
+        return selection_rdp(self.epsilon, orders) * self.count
+
+
+Entry = GaussianSteps | Selection
+
+
+@dataclass(frozen=True)
+class PrivacyBudget:
+    """The (eps, delta) a silo has agreed to spend in total, and how RDP is converted."""
+
+    epsilon: float
+    delta: float
+    conversion: Conversion = "classic"
+
+    def __post_init__(self) -> None:
+        if self.epsilon <= 0 or not 0 < self.delta < 1:
+            raise ValueError(f"budget needs epsilon > 0 and 0 < delta < 1, got {self}")
+
+
+def _entry_from_dict(raw: dict[str, Any]) -> Entry:
+    kind = raw.get("kind")
+    fields = {k: v for k, v in raw.items() if k != "kind"}
+    if kind == "gaussian":
+        return GaussianSteps(**fields)
+    if kind == "selection":
+        return Selection(**fields)
+    raise ValueError(f"unknown ledger entry kind {kind!r}")
+
+
+@dataclass
+class PrivacyLedger:
+    """History of mechanisms; ``meta`` holds the silo's plan (z, schedule) for restarts."""
+
+    entries: list[Entry] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    orders: tuple[float, ...] = DEFAULT_ORDERS
+
+    def record(self, entries: Iterable[Entry]) -> None:
+        self.entries.extend(entries)
+
+    def composed(self, other: PrivacyLedger) -> PrivacyLedger:
+        """The ledger of running both histories on the same data."""
+        return PrivacyLedger([*self.entries, *other.entries], {**self.meta}, self.orders)
+
+    def rdp(self, extra: Iterable[Entry] = ()) -> np.ndarray:
+        """RDP curve of the history (plus hypothetical ``extra`` entries)."""
+        # Group identical mechanisms so that each distinct (z, q) curve is computed once.
+        steps: dict[tuple[float, float], int] = {}
+        total = np.zeros(len(self.orders))
+        for entry in [*self.entries, *extra]:
+            if isinstance(entry, GaussianSteps):
+                key = (entry.noise_multiplier, entry.sample_rate)
+                steps[key] = steps.get(key, 0) + entry.steps
+            else:
+                total = total + entry.rdp(self.orders)
+        for (z, q), n in steps.items():
+            total = total + sgm_rdp(q, z, n, self.orders)
+        return total
+
+    def epsilon(self, delta: float, conversion: Conversion = "classic",
+                extra: Iterable[Entry] = ()) -> float:
+        """eps at ``delta`` of everything recorded (0 for an empty ledger)."""
+        extra = list(extra)
+        if not self.entries and not extra:
+            return 0.0
+        return rdp_to_dp(self.rdp(extra), delta, conversion, self.orders)[0]
+
+    def spent(self, budget: PrivacyBudget) -> float:
+        return self.epsilon(budget.delta, budget.conversion)
+
+    def would_exceed(self, planned: Iterable[Entry], budget: PrivacyBudget) -> bool:
+        """Would running ``planned`` on top of the history spend more than ``budget``?"""
+        return self.epsilon(budget.delta, budget.conversion, planned) > budget.epsilon
+
+    def last_round(self) -> int:
+        rounds = [e.round for e in self.entries if e.round is not None]
+        return max(rounds, default=0)
+
+    # --- persistence -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": LEDGER_FORMAT,
+            "orders": list(self.orders),
+            "meta": self.meta,
+            "entries": [asdict(e) for e in self.entries],
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PrivacyLedger:
+        if raw.get("format") != LEDGER_FORMAT:
+            raise ValueError(f"unsupported ledger format {raw.get('format')!r}")
+        orders = tuple(float(a) for a in raw["orders"])
+        if not orders or min(orders) <= 1 or not all(math.isfinite(a) for a in orders):
+            raise ValueError("ledger orders must be finite and > 1")
+        return cls([_entry_from_dict(e) for e in raw["entries"]], dict(raw.get("meta", {})),
+                   orders)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrivacyLedger:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a crash leaves either the old or the new file, never half."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(self.to_json())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PrivacyLedger:
+        """Read a ledger; a missing file is a fresh ledger, a damaged one is an error
+        (silently starting over would reset the budget)."""
+        source = Path(path)
+        if not source.exists():
+            return cls()
+        try:
+            return cls.from_json(source.read_text(encoding="utf-8"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"privacy ledger {source} is unreadable ({exc}); refusing to start from an "
+                "empty budget. Restore the file or move it away deliberately."
+            ) from exc
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

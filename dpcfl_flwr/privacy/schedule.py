@@ -1,0 +1,88 @@
+"""DP-SGD schedules: which sampled-Gaussian steps a client will run over a whole training.
+
+A schedule is a list of phases, each a number of SGM steps at one sampling rate; every phase
+uses the same noise multiplier z (spec §2.3: "the same z_i for every batch gradient").
+R-DPCFL runs two phases (round 1 at rate 1 with the full batch, then rounds 2..E at rate b/N);
+the baselines run one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .rdp import DEFAULT_ORDERS, sgm_rdp
+
+FULL_BATCH = "full"
+
+
+@dataclass(frozen=True)
+class GaussianPhase:
+    """``steps`` SGM steps at Poisson rate ``sample_rate`` (steps may be fractional only in
+    the authors' planning formula, never in what a client executes)."""
+
+    sample_rate: float
+    steps: float
+
+    def rdp(self, noise_multiplier: float, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+        return sgm_rdp(self.sample_rate, noise_multiplier, self.steps, orders)
+
+
+def steps_per_round(num_samples: int, batch_size: int, epochs: int, exact: bool = True) -> float:
+    """SGM steps one client runs in one round of K epochs at expected batch size b.
+
+    Executed training runs ceil(N/b) Poisson steps per epoch (spec §2.4). ``exact=False``
+    gives the authors' planning formula K*N/b (a real number), used to reproduce their tables.
+    """
+    if batch_size <= 0 or num_samples <= 0 or epochs <= 0:
+        raise ValueError("samples, batch size and epochs must be positive")
+    if batch_size > num_samples:
+        raise ValueError(f"batch size {batch_size} exceeds the {num_samples} samples")
+    per_epoch = math.ceil(num_samples / batch_size) if exact else num_samples / batch_size
+    return epochs * per_epoch
+
+
+def round_phase(
+    num_samples: int, batch_size: int | str, epochs: int, rounds: int = 1, exact: bool = True
+) -> GaussianPhase:
+    """The phase of ``rounds`` rounds at batch ``batch_size`` (an int or ``"full"``)."""
+    if batch_size == FULL_BATCH:
+        batch_size = num_samples
+    if not isinstance(batch_size, int):
+        raise ValueError(f"batch size must be an int or {FULL_BATCH!r}, got {batch_size!r}")
+    rate = batch_size / num_samples
+    return GaussianPhase(rate, rounds * steps_per_round(num_samples, batch_size, epochs, exact))
+
+
+def single_stage_schedule(
+    num_samples: int, batch_size: int, epochs: int, rounds: int, exact: bool = True
+) -> list[GaussianPhase]:
+    """The baselines' schedule: every one of the E rounds at batch b (spec §2.3 ``compute_z``)."""
+    return [round_phase(num_samples, batch_size, epochs, rounds, exact)]
+
+
+def two_stage_schedule(
+    num_samples: int, batch_size: int, epochs: int, rounds: int,
+    first_batch: int | str = FULL_BATCH, exact: bool = True,
+) -> list[GaussianPhase]:
+    """R-DPCFL's schedule: round 1 at batch b^1 (default full, rate 1), rounds 2..E at b^{>1}."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    first = round_phase(num_samples, first_batch, epochs, 1, exact)
+    if rounds == 1:
+        return [first]
+    return [first, round_phase(num_samples, batch_size, epochs, rounds - 1, exact)]
+
+
+def schedule_rdp(
+    phases: Sequence[GaussianPhase], noise_multiplier: float,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> np.ndarray:
+    """RDP curve of a whole schedule at noise multiplier z (RDP adds under composition)."""
+    total = np.zeros(len(orders))
+    for phase in phases:
+        total = total + phase.rdp(noise_multiplier, orders)
+    return total

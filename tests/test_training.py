@@ -1,0 +1,162 @@
+"""DP-SGD local training checked against plain autograd, the noise law, and memory bounds."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from dpcfl_flwr.models import build_model
+from dpcfl_flwr.training import DPSGDConfig, configure_threads, evaluate, train_dp
+
+
+def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _flat(update: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.flatten() for v in update.values()])
+
+
+def _manual_clipped_mean_gradient(model, x, y, clip: float) -> torch.Tensor:
+    """Independent reference: one autograd pass per sample, clip, average."""
+    total = None
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()])
+        g = g * min(1.0, clip / (float(g.norm()) + 1e-6))
+        total = g if total is None else total + g
+    return total / x.shape[0]
+
+
+@pytest.mark.parametrize("physical", [None, 3])
+def test_full_batch_step_is_minus_lr_times_clipped_mean_gradient(physical):
+    x, y = _data(10)
+    start = build_model("cnn", seed=1)
+    reference = _manual_clipped_mean_gradient(build_model("cnn", seed=1), x, y, clip=0.5)
+    config = DPSGDConfig(1e-9, 0.5, 0.1, "full", physical_batch_size=physical)
+    result = train_dp(start, x, y, config, round_number=1, seed=3)
+    torch.testing.assert_close(_flat(result.update), -0.1 * reference, rtol=1e-4, atol=1e-7)
+    assert result.steps == 1
+    (entry,) = result.entries
+    assert (entry.sample_rate, entry.steps, entry.round) == (1.0, 1, 1)
+
+
+def test_full_batch_noise_has_lemma_4_1_variance():
+    # Full batch, K = 1: Var(dTheta) per coordinate = lr^2 z^2 c^2 / N^2 (spec §4, Lemma 4.1).
+    x, y = _data(40)
+    lr, z, clip = 0.2, 2.0, 1.5
+    updates = torch.stack([
+        _flat(train_dp(build_model("cnn", seed=0), x, y, DPSGDConfig(z, clip, lr, "full"),
+                       seed=s).update)
+        for s in range(24)
+    ])
+    variance = float(updates.var(dim=0).mean())
+    expected = (lr * z * clip / 40) ** 2
+    assert variance == pytest.approx(expected, rel=0.05)
+
+
+def test_poisson_rounds_sample_at_rate_b_over_n_and_record_their_steps():
+    n, b, epochs = 300, 32, 2
+    x, y = _data(n)
+    result = train_dp(build_model("cnn", seed=0), x, y, DPSGDConfig(1.0, 1.0, 0.01, b, epochs),
+                      round_number=4, seed=0)
+    steps = epochs * math.ceil(n / b)
+    assert result.steps == steps
+    (entry,) = result.entries
+    assert (entry.sample_rate, entry.steps, entry.round) == (b / n, steps, 4)
+    # Poisson: the number of records used is Binomial(n * steps, b / n).
+    mean, std = steps * b, math.sqrt(steps * n * (b / n) * (1 - b / n))
+    assert abs(result.sampled_examples - mean) < 5 * std
+
+
+def test_same_seed_same_update_and_unseeded_runs_differ():
+    x, y = _data(64)
+    config = DPSGDConfig(1.0, 1.0, 0.05, 16)
+
+    def run(seed):
+        return _flat(train_dp(build_model("cnn", seed=0), x, y, config, seed=seed).update)
+
+    torch.testing.assert_close(run(7), run(7))
+    assert not torch.equal(run(None), run(None))
+
+
+def test_dp_training_learns_a_separable_task():
+    # Two classes told apart by the sign of the mean pixel: DP-SGD must still learn it.
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 2, (600,), generator=g)
+    x = torch.randn(600, 1, 28, 28, generator=g) * 0.5 + (y.float() * 2 - 1).view(-1, 1, 1, 1)
+    model = build_model("cnn", seed=0)
+    config = DPSGDConfig(0.8, 1.0, 0.5, 60)
+    for _ in range(3):
+        train_dp(model, x, y, config, seed=None)
+    _, accuracy = evaluate(model, x, y)
+    assert accuracy > 0.9
+
+
+def test_evaluate_matches_a_direct_computation():
+    x, y = _data(50)
+    model = build_model("cnn", seed=2)
+    loss, accuracy = evaluate(model, x, y, batch_size=7)
+    with torch.no_grad():
+        logits = model(x)
+    assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert accuracy == pytest.approx(float((logits.argmax(1) == y).float().mean()))
+
+
+def test_bad_configurations_are_refused():
+    x, y = _data(10)
+    with pytest.raises(ValueError, match="exceeds"):
+        train_dp(build_model("cnn"), x, y, DPSGDConfig(1.0, 1.0, 0.1, 11))
+    with pytest.raises(ValueError):
+        DPSGDConfig(0.0, 1.0, 0.1, 8)
+    with pytest.raises(ValueError):
+        DPSGDConfig(1.0, 1.0, 0.1, "half")
+
+
+def test_configure_threads_sets_torch():
+    before = torch.get_num_threads()
+    try:
+        configure_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+_PEAK_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, torch
+    from dpcfl_flwr.models import build_model
+    from dpcfl_flwr.training import DPSGDConfig, train_dp
+    torch.set_num_threads(1)
+    n = int(sys.argv[1])
+    x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+    model = build_model("cnn", seed=0)
+    config = DPSGDConfig(1.0, 1.0, 0.01, "full", physical_batch_size=64)
+    train_dp(model, x[:64], y[:64], config, seed=0)  # warm up allocator and kernels
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    train_dp(model, x, y, config, seed=0)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"growth_kib": after - before}))
+""")
+
+
+def _peak_growth_kib(n: int) -> int:
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n)], check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])["growth_kib"]
+
+
+def test_full_batch_round_memory_does_not_grow_with_n():
+    # Gradient accumulation: the working set is one physical chunk, whatever N is.
+    growth = {n: _peak_growth_kib(n) for n in (1_000, 8_000)}
+    assert growth[8_000] - growth[1_000] < 16 * 1024, growth  # < 16 MiB apart
+    per_sample_grads_if_materialised = 8_000 * 28_938 * 4 / 1024
+    assert np.max(list(growth.values())) < per_sample_grads_if_materialised / 4
