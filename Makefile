@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $@
 
 demo: setup
-	$(VENV)/bin/dpcfl probe --samples 2000 --epsilon 10 --out results/probe
+	$(VENV)/bin/dpcfl simulate --config examples/quick.toml --out results/quick --overwrite
 
 test: setup
 	$(VENV)/bin/python -m pytest -q

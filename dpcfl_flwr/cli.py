@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -156,6 +158,75 @@ def probe(
         value = result[key]
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+@app.command("simulate")
+def simulate(
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                help="TOML file of run-config keys (see examples/)."),
+    overrides: list[str] = typer.Option(None, "--set", help="Override a key: --set epsilon=5."),
+    out: Path = typer.Option(None, "--out", help="Results directory (default: results/<time>)."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Reuse an existing results directory (its ledgers too)."),
+    cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for Ray (0: all)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show Flower's and Ray's logs."),
+) -> None:
+    """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
+    from .progress import ProgressFollower, summary_table
+    from .simulation import absolute_paths, load_config, parse_override, run_simulation
+
+    try:
+        pairs = dict(parse_override(item) for item in overrides or [])
+        if out is not None:
+            pairs["out-dir"] = str(out)
+        elif "out-dir" not in pairs and (config is None or "out-dir" not in config.read_text()):
+            pairs["out-dir"] = time.strftime("results/%Y%m%d-%H%M%S")
+        experiment = absolute_paths(load_config(config, pairs))
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+        return
+    out_dir = Path(experiment.out_dir)
+    if (out_dir / "results.json").exists() or (out_dir / "ledgers").exists():
+        if not overwrite:
+            _fail(f"{out_dir} holds an earlier run (its silos' ledgers would refuse to train "
+                  "again); pass --overwrite or another --out")
+            return
+        shutil.rmtree(out_dir)
+    _configure_logging(verbose)
+    console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {experiment.dataset} "
+                  f"({experiment.shift}, clusters {experiment.clusters}), "
+                  f"E={experiment.num_server_rounds}, eps={experiment.epsilon:g} -> {out_dir}")
+    follower = ProgressFollower(out_dir, experiment.num_server_rounds, console)
+    follower.start()
+    try:
+        run_simulation(experiment, cpus=cpus or None, verbose=verbose)
+    finally:
+        follower.stop()
+    results_file = out_dir / "results.json"
+    if not results_file.exists():
+        _fail(f"the run ended without results; see the log above ({out_dir})")
+        return
+    results = json.loads(results_file.read_text())
+    if not results.get("complete"):
+        _fail(f"the run stopped early; partial results in {results_file}")
+        return
+    console.print(summary_table(results))
+
+
+def _configure_logging(verbose: bool) -> None:
+    import logging
+
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_path=False, markup=False)
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        # The live view already shows every round; keep framework chatter to warnings.
+        quiet = ("flwr", "ray", "alembic", "dpcfl_flwr.strategies.base")
+        handler.addFilter(lambda record: record.levelno >= logging.WARNING
+                          or not record.name.startswith(quiet))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], format="%(message)s",
+                        force=True)
 
 
 def main() -> None:  # pragma: no cover - console entry point

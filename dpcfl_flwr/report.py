@@ -24,6 +24,7 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=2, sort_keys=False, default=_json_default)
+        os.chmod(tmp, 0o644)  # results are for people to read (mkstemp makes 0600)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -62,6 +63,32 @@ def plot_projection(
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="best")
     ax.set_aspect("equal", adjustable="datalim")
+    return _save(fig, path)
+
+
+def plot_accuracy_by_cluster(
+    rounds: list[dict[str, Any]], true_clusters: dict[int, int], path: str | Path, title: str,
+) -> Path:
+    """Mean test accuracy of the silos of each true cluster at every evaluated round."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colours = plt.get_cmap("tab10")
+    evaluated = [r for r in rounds if r.get("test_accuracy")]
+    for cluster in sorted(set(true_clusters.values())):
+        members = [p for p, c in true_clusters.items() if c == cluster]
+        xs, ys = [], []
+        for row in evaluated:
+            values = [row["test_accuracy"][str(p)] for p in members
+                      if str(p) in row["test_accuracy"]]
+            if values:
+                xs.append(row["round"])
+                ys.append(100 * float(np.mean(values)))
+        ax.plot(xs, ys, marker="o", color=colours(cluster % 10),
+                label=f"cluster {cluster} ({len(members)} silos)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 

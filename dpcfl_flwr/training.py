@@ -1,7 +1,7 @@
 """DP-SGD local training (spec §2.4-2.5) and evaluation of a model on a client's split.
 
 One DP step: Poisson-sample a logical batch (or take all N records in the full-batch round),
-compute per-sample gradients (Opacus' GradSampleModule) on physical chunks of bounded size,
+compute per-sample gradients (:mod:`dpcfl_flwr.per_sample`) on physical chunks of bounded size,
 clip each to norm c, add the clipped gradients up, add N(0, (z c)^2) noise once per logical
 batch, divide by the expected batch size and take an SGD step. Chunking makes the full-batch
 round gradient accumulation: peak memory depends on the chunk size, not on N.
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from opacus import GradSampleModule
 from torch import nn
 
+from .per_sample import ClippedSumEngine, make_engine
 from .privacy.ledger import GaussianSteps
 from .privacy.schedule import FULL_BATCH
 
@@ -92,86 +91,88 @@ def chunk_size(model: nn.Module, requested: int | None) -> int:
     return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // params))
 
 
-def _grad_sample(p: nn.Parameter) -> torch.Tensor:
-    """The per-sample gradients Opacus attached to ``p`` in the last backward pass."""
-    return getattr(p, "grad_sample")  # noqa: B009 - set dynamically by Opacus' hooks
-
-
-def _clear_grad_samples(params: list[nn.Parameter]) -> None:
-    for p in params:
-        setattr(p, "grad_sample", None)  # noqa: B010 - Opacus' dynamic attribute
-
-
 def _clipped_sum(
-    gsm: GradSampleModule, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
-    clip_norm: float, chunk: int, loss_fn: nn.Module,
+    engine: ClippedSumEngine, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
+    clip_norm: float, chunk: int,
 ) -> list[torch.Tensor]:
-    """Sum over the batch of per-sample gradients clipped to ``clip_norm`` (chunk by chunk)."""
+    """Sum over the batch of per-sample gradients clipped to ``clip_norm``, chunk by chunk
+    (gradient accumulation: memory is bounded by the chunk, not by the batch)."""
     total = [torch.zeros_like(p) for p in params]
     for start in range(0, x.shape[0], chunk):
-        xb, yb = x[start:start + chunk], y[start:start + chunk]
-        _clear_grad_samples(params)
-        loss_fn(gsm(xb), yb).backward()
-        grads = [_grad_sample(p).reshape(xb.shape[0], -1) for p in params]
-        norms = torch.stack([g.pow(2).sum(dim=1) for g in grads]).sum(dim=0).sqrt()
-        factors = (clip_norm / (norms + 1e-6)).clamp(max=1.0)
-        for acc, g, p in zip(total, grads, params, strict=True):
-            acc.add_((factors @ g).view_as(p))
-    _clear_grad_samples(params)
-    for p in params:
-        p.grad = None
+        for acc, part in zip(total, engine.clipped_sum(x[start:start + chunk],
+                                                       y[start:start + chunk], clip_norm),
+                             strict=True):
+            acc.add_(part)
     return total
 
 
 def _noisy_step(
     params: list[nn.Parameter], clipped: list[torch.Tensor], config: DPSGDConfig,
-    expected_batch: float, noise: torch.Generator,
+    expected_batch: float, noise: torch.Generator, prox: ProxTerm | None,
 ) -> None:
-    """theta <- theta - lr * (sum of clipped grads + N(0, (z c)^2 I)) / expected batch."""
+    """theta <- theta - lr * ((sum of clipped grads + N(0, (z c)^2 I)) / expected batch
+    + lambda (theta - anchor)); the proximal term is data-independent, so adding it after
+    privatisation is free (post-processing) and, unlike a loss term, is not lost in clipping."""
     std = config.noise_multiplier * config.clip_norm
     with torch.no_grad():
-        for p, g in zip(params, clipped, strict=True):
+        for index, (p, g) in enumerate(zip(params, clipped, strict=True)):
             g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
-            p.add_(g, alpha=-config.learning_rate / expected_batch)
+            g.div_(expected_batch)
+            if prox is not None:
+                g.add_(p - prox.anchor[index], alpha=prox.strength)
+            p.add_(g, alpha=-config.learning_rate)
 
 
-# Inputs never require gradients here, so torch warns on every backward that the first
-# layer's full backward hook sees only output gradients; that is exactly what Opacus needs.
-warnings.filterwarnings("ignore", message="Full backward hook is firing")
+@dataclass(frozen=True)
+class ProxTerm:
+    """MR-MTL's mean regulariser (lambda / 2) ||theta - anchor||^2, anchor aligned with the
+    model's trainable parameters."""
+
+    strength: float
+    anchor: list[torch.Tensor]
+
+    @classmethod
+    def for_model(cls, model: nn.Module, strength: float,
+                  anchor: dict[str, torch.Tensor]) -> ProxTerm:
+        return cls(strength, [anchor[name].detach().to(p.dtype)
+                              for name, p in model.named_parameters() if p.requires_grad])
 
 
-def _wrap(model: nn.Module, mode: str) -> GradSampleModule:
-    if mode not in ("hooks", "functorch"):
-        raise ValueError(f"grad_sample_mode must be 'hooks' or 'functorch', got {mode!r}")
-    return GradSampleModule(
-        model, batch_first=True, loss_reduction="sum", force_functorch=(mode == "functorch")
-    )
+def round_cost(
+    num_samples: int, batch_size: int | Literal["full"], epochs: int, noise_multiplier: float,
+    round_number: int | None = None,
+) -> GaussianSteps:
+    """The SGM steps one round of :func:`train_dp` runs: K * ceil(N/b) steps at rate b/N, or
+    K steps at rate 1 for the full batch. Silos charge exactly this before they train."""
+    batch = num_samples if batch_size == FULL_BATCH else int(batch_size)
+    if batch > num_samples:
+        raise ValueError(f"batch size {batch} exceeds the client's {num_samples} training samples")
+    steps = epochs * math.ceil(num_samples / batch)
+    return GaussianSteps(noise_multiplier, batch / num_samples, steps, round_number)
 
 
 def train_dp(
     model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig,
     *, round_number: int | None = None, seed: int | None = None,
+    prox: tuple[float, dict[str, torch.Tensor]] | None = None,
 ) -> TrainResult:
     """Run one round of local DP-SGD on ``model`` in place; return its update and cost.
 
     Rounds with an integer batch b run K * ceil(N/b) steps at Poisson rate b/N; the full-batch
     round runs K steps on all N records (rate 1). ``seed`` fixes sampling and noise (tests).
+    ``prox`` = (lambda, anchor weights) adds MR-MTL's proximal term to every step.
     """
     n = int(x_train.shape[0])
     if n == 0 or y_train.shape[0] != n:
         raise ValueError(f"need matching, non-empty data (x: {n}, y: {y_train.shape[0]})")
-    full = config.batch_size == FULL_BATCH
-    batch = n if full else int(config.batch_size)
-    if batch > n:
-        raise ValueError(f"batch size {batch} exceeds the client's {n} training samples")
-    rate = batch / n
-    steps = config.epochs * (1 if full else math.ceil(n / batch))
+    cost = round_cost(n, config.batch_size, config.epochs, config.noise_multiplier, round_number)
+    full, rate, steps = cost.sample_rate == 1.0, cost.sample_rate, cost.steps
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    gsm = _wrap(model, config.grad_sample_mode)
+    engine = make_engine(model, config.grad_sample_mode)
     params = [p for p in model.parameters() if p.requires_grad]
     chunk = chunk_size(model, config.physical_batch_size)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
     sampler, noise = secure_generator(seed), secure_generator(None if seed is None else seed + 1)
+    prox_term = None if prox is None else ProxTerm.for_model(model, prox[0], prox[1])
     model.train()
     sampled = 0
     try:
@@ -182,13 +183,12 @@ def train_dp(
                 mask = torch.rand(n, generator=sampler) < rate
                 xb, yb = x_train[mask], y_train[mask]
             sampled += int(xb.shape[0])
-            clipped = _clipped_sum(gsm, params, xb, yb, config.clip_norm, chunk, loss_fn)
-            _noisy_step(params, clipped, config, rate * n, noise)
+            clipped = _clipped_sum(engine, params, xb, yb, config.clip_norm, chunk)
+            _noisy_step(params, clipped, config, rate * n, noise, prox_term)
     finally:
-        gsm.cleanup()
+        engine.close()
     update = {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
-    entry = GaussianSteps(config.noise_multiplier, rate, steps, round_number)
-    return TrainResult(update, [entry], n, steps, sampled)
+    return TrainResult(update, [cost], n, steps, sampled)
 
 
 @torch.inference_mode()

@@ -1,0 +1,136 @@
+"""The ClientApp: a silo's ``query``, ``train`` and ``evaluate`` handlers (thin Flower glue).
+
+Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo`. The ledger is saved to the
+silo's disk before a reply leaves; a round that would overspend is answered with an Error
+carrying :data:`~dpcfl_flwr.protocol.BUDGET_EXCEEDED` and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from .config import ConfigError, parse_node_config, parse_run_config
+from .data import DataError
+from .privacy import GaussianSteps, Selection
+from .protocol import (
+    ANCHOR,
+    ARRAYS,
+    BUDGET_EXCEEDED,
+    METRICS,
+    SELECT,
+    SILO,
+    SILO_FAILED,
+    UPDATE,
+    batch_of,
+    cluster_key,
+    config_of,
+    integer,
+    metric_record,
+    number,
+    reply,
+)
+from .silo import BudgetExceeded, Schedule, Silo
+from .training import DPSGDConfig
+
+logger = logging.getLogger(__name__)
+
+app = ClientApp()
+
+_STATE = "privacy"
+
+
+def _open_silo(context: Context) -> Silo:
+    experiment = parse_run_config(context.run_config)
+    silo = parse_node_config(context.node_config)
+    record = context.state.config_records.get(_STATE)
+    return Silo(silo, experiment, context.run_id,
+                str(record["ledger"]) if record is not None else None)
+
+
+def _close_silo(context: Context, silo: Silo) -> None:
+    context.state[_STATE] = ConfigRecord({"ledger": silo.persist()})
+
+
+def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context],
+                                                                          Message]:
+    """Turn a silo's refusals and failures into Error replies the server can log."""
+
+    def wrapped(message: Message, context: Context) -> Message:
+        try:
+            return handler(message, context)
+        except BudgetExceeded as exc:
+            logger.warning("%s", exc)
+            return Message(Error(BUDGET_EXCEEDED, str(exc)), reply_to=message)
+        except (ConfigError, DataError, ValueError) as exc:
+            logger.error("silo cannot run %s: %s", message.metadata.message_type, exc)
+            return Message(Error(SILO_FAILED, f"{type(exc).__name__}: {exc}"), reply_to=message)
+
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+def _state(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return record.to_torch_state_dict()
+
+
+@app.query()
+@_guarded
+def query(message: Message, context: Context) -> Message:
+    silo = _open_silo(context)
+    return reply(message, RecordDict({SILO: metric_record(silo.describe())}))
+
+
+@app.train()
+@_guarded
+def train(message: Message, context: Context) -> Message:
+    silo = _open_silo(context)
+    config = config_of(message)
+    server_round = integer(config, "server-round")
+    schedule = Schedule.from_config(config)
+    plan = silo.plan(schedule)
+    batch = batch_of(config, "round-batch")
+    cluster = integer(config, "cluster")
+    selecting = cluster == SELECT
+    planned: list[GaussianSteps | Selection] = [
+        silo.round_cost(plan, batch, server_round, schedule.local_epochs)]
+    if selecting:
+        planned.append(Selection(plan.epsilon_select, round=server_round))
+    try:
+        silo.check(planned, server_round)
+    finally:
+        _close_silo(context, silo)  # keep the plan even when refusing
+    records = message.content.array_records
+    if selecting:
+        n_clusters = sum(1 for key in records if key.startswith("cluster-"))
+        candidates = [_state(records[cluster_key(m)]) for m in range(n_clusters)]
+        cluster = silo.select(candidates, plan, server_round)
+        start = candidates[cluster]
+    else:
+        start = _state(records[ARRAYS])
+    prox = None
+    if ANCHOR in records and str(config.get("prox-variant", "correct")) == "correct":
+        prox = (number(config, "prox-lambda"), _state(records[ANCHOR]))
+    dp = DPSGDConfig(plan.noise_multiplier, number(config, "clip-norm"),
+                     number(config, "learning-rate"), batch, schedule.local_epochs,
+                     silo.experiment.physical_batch_size or None)
+    update, metrics = silo.train(start, dp, server_round, prox)
+    _close_silo(context, silo)  # charged on disk before anything leaves the silo
+    metrics.update({"cluster": cluster, "selected": int(selecting),
+                    "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier})
+    return reply(message, RecordDict({UPDATE: ArrayRecord(update),
+                                      METRICS: metric_record(metrics)}))
+
+
+@app.evaluate()
+@_guarded
+def evaluate(message: Message, context: Context) -> Message:
+    silo = _open_silo(context)
+    config = config_of(message)
+    metrics = silo.test(_state(message.content.array_records[ARRAYS]))
+    metrics.update({"cluster": integer(config, "cluster"), "epsilon-spent": silo.spent()})
+    return reply(message, RecordDict({METRICS: metric_record(metrics)}))

@@ -1,0 +1,166 @@
+"""Typed run config (the experiment, from the server) and node config (the silo's own settings).
+
+Flower hands both over as flat dicts of str/int/float/bool with kebab-case keys. They are
+validated here, at the edge, so that a typo or a bad value stops the run with one line that
+names the key and what was expected, instead of a traceback rounds later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .data import Topology
+
+METHODS = ("rdpcfl", "global", "local", "ifca", "mrmtl", "oracle", "km")
+
+
+class ConfigError(ValueError):
+    """A run or node config that cannot be used; its message is one line for people."""
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, populate_by_name=True,
+                              frozen=True)
+
+
+class ExperimentConfig(_Config):
+    """Everything the server proposes for a run (``[tool.flwr.app.config]`` + overrides)."""
+
+    method: Literal["rdpcfl", "global", "local", "ifca", "mrmtl", "oracle", "km"] = "rdpcfl"
+    # data: the paper's cluster-structured split (spec §6)
+    dataset: Literal["fmnist", "mnist", "cifar10"] = "fmnist"
+    data_dir: str = ""
+    shift: Literal["rotation", "label_flip"] = "rotation"
+    clusters: str = "3,6,6,6"
+    samples_per_client: int = Field(500, ge=2)
+    val_fraction: float = Field(0.25, gt=0.0, le=1.0)
+    test_samples: int = Field(0, ge=0, description="0: the dataset's default (|test| / 6)")
+    model: Literal["cnn", "resnet18"] = "cnn"
+    # training schedule (spec §2.1)
+    num_server_rounds: int = Field(30, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    first_batch: str = "full"
+    learning_rate: float = Field(0.005, gt=0.0)
+    clip_norm: float = Field(3.0, gt=0.0)
+    # privacy: defaults for silos whose node config does not set their own budget
+    epsilon: float = Field(10.0, gt=0.0)
+    delta: float = Field(1e-4, gt=0.0, lt=1.0)
+    conversion: Literal["classic", "tight"] = "classic"
+    budget_mode: Literal["split", "joint"] = "split"
+    select_ratio: float = Field(0.03, gt=0.0, lt=1.0)
+    selection: Literal["window", "every-round"] = "window"
+    select_window: float = Field(0.1, gt=0.0, le=1.0)
+    # clustering (spec §2.6)
+    n_clusters: int = Field(4, ge=0, description="0: choose M by maximum MSS")
+    max_clusters: int = Field(10, ge=2)
+    cluster_init: Literal["theta-init", "client0"] = "theta-init"
+    aggregation: Literal["uniform", "samples"] = "uniform"
+    mrmtl_lambda: float = Field(1.0, ge=0.0)
+    mrmtl_variant: Literal["correct", "authors"] = "correct"
+    # running
+    eval_every: int = Field(5, ge=1)
+    seed: int = 0
+    threads: int = Field(1, ge=1)
+    physical_batch_size: int = Field(0, ge=0, description="0: sized from a memory budget")
+    out_dir: str = "results/latest"
+    ledger_dir: str = ""
+    round_timeout: float = Field(3600.0, gt=0.0)
+    min_clients: int = Field(0, ge=0, description="0: every client of the topology")
+    wait_for_clients: float = Field(600.0, gt=0.0)
+
+    @field_validator("clusters")
+    @classmethod
+    def _valid_topology(cls, value: str) -> str:
+        Topology.parse(value)
+        return value
+
+    @field_validator("first_batch")
+    @classmethod
+    def _valid_first_batch(cls, value: str) -> str:
+        if value != "full" and not (value.isdigit() and int(value) > 0):
+            raise ValueError("must be 'full' or a positive integer")
+        return value
+
+    @property
+    def topology(self) -> Topology:
+        return Topology.parse(self.clusters)
+
+    @property
+    def first_round_batch(self) -> int | Literal["full"]:
+        return "full" if self.first_batch == "full" else int(self.first_batch)
+
+    @property
+    def select_rounds(self) -> int:
+        """T_sel: private selections a client reserves budget for (R-DPCFL, IFCA)."""
+        if self.selection == "every-round":
+            return self.num_server_rounds
+        return max(1, int(self.select_window * self.num_server_rounds))
+
+    @property
+    def expected_clients(self) -> int:
+        return self.min_clients or self.topology.num_clients
+
+    def ledger_directory(self) -> Path:
+        return Path(self.ledger_dir) if self.ledger_dir else Path(self.out_dir) / "ledgers"
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The flat kebab-case dict Flower expects (inverse of :func:`parse_run_config`)."""
+        return self.model_dump(by_alias=True)
+
+
+class SiloConfig(_Config):
+    """A silo's own settings (node config); unset fields fall back to the run config."""
+
+    partition_id: int = Field(ge=0)
+    num_partitions: int = Field(0, ge=0)
+    epsilon: float | None = Field(None, gt=0.0)
+    delta: float | None = Field(None, gt=0.0, lt=1.0)
+    ledger_path: str = ""
+    data_dir: str = ""
+    true_cluster: int = Field(-1, ge=-1, description="evaluation only; -1: from the topology")
+    threads: int = Field(0, ge=0)
+    device: str = "cpu"
+    noise_seed: int = Field(-1, ge=-1, description="tests only: fixes DP noise; -1: OS entropy")
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        if value != "cpu" and not (value == "cuda" or value.startswith("cuda:")):
+            raise ValueError("must be 'cpu', 'cuda' or 'cuda:<index>'")
+        return value
+
+
+def _one_line(error: ValidationError, what: str, model: type[_Config]) -> ConfigError:
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "?"
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(_kebab(name) for name in model.model_fields))
+        return ConfigError(f"{what}: unknown key '{key}' (allowed keys: {allowed})")
+    value = first.get("input")
+    message = first["msg"].removeprefix("Value error, ")
+    return ConfigError(f"{what}: '{key}' = {value!r} is invalid: {message}")
+
+
+def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
+    """Validate Flower's run config; raises :class:`ConfigError` with one line."""
+    try:
+        return ExperimentConfig.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise _one_line(exc, "run config", ExperimentConfig) from None
+
+
+def parse_node_config(raw: Mapping[str, Any]) -> SiloConfig:
+    """Validate a silo's node config; raises :class:`ConfigError` with one line."""
+    try:
+        return SiloConfig.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise _one_line(exc, "node config", SiloConfig) from None

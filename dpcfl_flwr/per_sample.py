@@ -1,0 +1,217 @@
+"""Per-sample clipped gradient sums: the expensive core of DP-SGD, in two interchangeable ways.
+
+Both return sum_i clip(grad l_i, c) for a batch, parameter by parameter.
+
+- :class:`OpacusEngine` wraps the model in Opacus' ``GradSampleModule`` (hooks, or functorch):
+  any layer Opacus supports, at Opacus' speed. Autograd also computes the ordinary summed
+  weight gradients, which DP-SGD then throws away.
+- :class:`LayerwiseEngine` handles models made only of Conv2d, Linear and GroupNorm layers (the
+  paper's CNN and ResNet-18-GN). Weights are frozen during the backward pass, so autograd
+  computes only activation gradients; per-sample weight gradients are then formed layer by
+  layer from the saved activations (one batched matmul per conv), and Linear layers never
+  materialise them (their per-sample norm is ||g|| ||a|| and the clipped sum one matmul).
+  Tests check it against Opacus to float precision; bench/ measures the speed-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ClippedSumEngine(Protocol):
+    """Computes the sum over a batch of per-sample gradients clipped to norm ``clip``."""
+
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def _clip_factors(squared_norms: torch.Tensor, clip: float) -> torch.Tensor:
+    # The same 1e-6 guard as Opacus, so both engines clip identically.
+    return (clip / (squared_norms.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+class OpacusEngine:
+    """Per-sample gradients from Opacus' GradSampleModule, clipped and summed here."""
+
+    def __init__(self, model: nn.Module, mode: str = "hooks") -> None:
+        if mode not in ("hooks", "functorch"):
+            raise ValueError(f"Opacus grad-sample modes are 'hooks' and 'functorch', not {mode!r}")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum",
+                                    force_functorch=(mode == "functorch"))
+
+    def _reset(self) -> None:
+        for p in self.params:
+            setattr(p, "grad_sample", None)  # noqa: B010 - Opacus' dynamic attribute
+            p.grad = None
+
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        self._reset()
+        F.cross_entropy(self.gsm(x), y, reduction="sum").backward()
+        grads = [getattr(p, "grad_sample").reshape(x.shape[0], -1)  # noqa: B009 - dynamic
+                 for p in self.params]
+        factors = _clip_factors(torch.stack([g.pow(2).sum(1) for g in grads]).sum(0), clip)
+        sums = [(factors @ g).view_as(p) for g, p in zip(grads, self.params, strict=True)]
+        self._reset()
+        return sums
+
+    def close(self) -> None:
+        self.gsm.cleanup()
+
+
+_SUPPORTED = (nn.Conv2d, nn.Linear, nn.GroupNorm)
+
+
+def layerwise_supported(model: nn.Module) -> bool:
+    """True when every trainable parameter belongs to a Conv2d, Linear or GroupNorm layer."""
+    owned = {id(p) for m in model.modules() if isinstance(m, _SUPPORTED)
+             for p in m.parameters(recurse=False)}
+    return all(id(p) in owned for p in model.parameters() if p.requires_grad)
+
+
+class LayerwiseEngine:
+    """Activation-gradient backward pass + per-layer per-sample weight gradients."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not layerwise_supported(model):
+            raise ValueError("the layerwise engine needs Conv2d/Linear/GroupNorm-only models")
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, _SUPPORTED)
+                       and any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._handles = [layer.register_forward_hook(self._capture) for layer in self.layers]
+
+    def _capture(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
+                 output: torch.Tensor) -> torch.Tensor:
+        if not output.requires_grad:  # the first layer: make its output a graph leaf
+            output = output.detach().requires_grad_(True)
+        self._records.append((module, inputs[0].detach(), output))
+        return output
+
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        self._records = []
+        flags = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(False)  # autograd then skips the (wasted) summed weight gradients
+        try:
+            loss = F.cross_entropy(self.model(x), y, reduction="sum")
+            outputs = [out for _, _, out in self._records]
+            grads_out = torch.autograd.grad(loss, outputs)
+        finally:
+            for p, flag in zip(self.params, flags, strict=True):
+                p.requires_grad_(flag)
+        if len({id(m) for m, _, _ in self._records}) != len(self._records):
+            raise ValueError("the layerwise engine cannot clip layers used twice per forward")
+        pieces = [_per_sample(m, a, g) for (m, a, _), g in
+                  zip(self._records, grads_out, strict=True)]
+        self._records = []
+        squared = torch.stack([piece.squared_norms for piece in pieces]).sum(0)
+        factors = _clip_factors(squared, clip)
+        return self._collect(pieces, factors)
+
+    def _collect(self, pieces: list[_LayerGrads], factors: torch.Tensor) -> list[torch.Tensor]:
+        by_param = {id(p): total for piece in pieces for p, total in piece.weighted_sums(factors)}
+        return [by_param[id(p)].view_as(p) for p in self.params]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class _LayerGrads:
+    """Per-sample gradients of one layer's parameters, possibly in factored form."""
+
+    def __init__(self, squared_norms: torch.Tensor,
+                 weighted: Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]):
+        self.squared_norms = squared_norms
+        self._weighted = weighted
+
+    def weighted_sums(self, factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return self._weighted(factors)
+
+
+def _per_sample(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    if isinstance(module, nn.Linear):
+        return _linear(module, a, g)
+    if isinstance(module, nn.Conv2d):
+        return _conv2d(module, a, g)
+    return _group_norm(module, a, g)
+
+
+def _materialised(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> _LayerGrads:
+    """Per-sample gradients held as (B, ...) tensors: norms and weighted sums directly."""
+    flat = [(p, t.reshape(t.shape[0], -1)) for p, t in pairs]
+    squared = torch.stack([t.pow(2).sum(1) for _, t in flat]).sum(0)
+    return _LayerGrads(squared, lambda c: [(p, c @ t) for p, t in flat])
+
+
+def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    if a.dim() != 2:  # sequence inputs: fall back to materialised outer products
+        weight = torch.einsum("b...o,b...i->boi", g, a)
+        pairs = [(module.weight, weight)]
+        if module.bias is not None:
+            pairs.append((module.bias, g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)))
+        return _materialised(pairs)
+    # grad_W of sample i is g_i a_i^T: ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2.
+    g_sq = g.pow(2).sum(1)
+    squared = g_sq * a.pow(2).sum(1) + (g_sq if module.bias is not None else 0.0)
+
+    def weighted(c: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        scaled = g * c[:, None]
+        out = [(module.weight, scaled.t() @ a)]
+        if module.bias is not None:
+            out.append((module.bias, scaled.sum(0)))
+        return out
+
+    return _LayerGrads(squared, weighted)
+
+
+def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    batch = a.shape[0]
+    columns = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
+    grads = g.reshape(batch, g.shape[1], -1)
+    if module.groups == 1:
+        weight = torch.bmm(grads, columns.transpose(1, 2))
+    else:
+        groups = module.groups
+        columns = columns.reshape(batch, groups, -1, columns.shape[-1])
+        grads_g = grads.reshape(batch, groups, -1, grads.shape[-1])
+        weight = torch.einsum("bgol,bgil->bgoi", grads_g, columns)
+    pairs = [(module.weight, weight.reshape(batch, *module.weight.shape))]
+    if module.bias is not None:
+        pairs.append((module.bias, grads.sum(2)))
+    return _materialised(pairs)
+
+
+def _group_norm(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    normalised = F.group_norm(a, module.num_groups, eps=module.eps)
+    dims = tuple(range(2, a.dim()))
+    pairs = []
+    if module.weight is not None:
+        pairs.append((module.weight, (normalised * g).sum(dims)))
+    if module.bias is not None:
+        pairs.append((module.bias, g.sum(dims)))
+    return _materialised(pairs)
+
+
+def make_engine(model: nn.Module, mode: str) -> ClippedSumEngine:
+    """``layerwise`` (fast path, Conv/Linear/GroupNorm models), ``hooks`` or ``functorch``
+    (Opacus), or ``auto``: layerwise when the model allows it, else Opacus hooks."""
+    if mode == "auto":
+        mode = "layerwise" if layerwise_supported(model) else "hooks"
+    if mode == "layerwise":
+        return LayerwiseEngine(model)
+    return OpacusEngine(model, mode)

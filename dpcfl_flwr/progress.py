@@ -1,0 +1,105 @@
+"""A live view of a run, read from the ``progress.jsonl`` its ServerApp writes.
+
+Reading the file (rather than hooking into the server) works the same for a simulation in
+this process, a ``flwr run`` on a SuperLink, or a deployment whose results directory is
+mounted here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def describe_round(row: dict[str, Any]) -> str:
+    """One line: stage, cluster sizes, accuracy, epsilon."""
+    parts = [f"[cyan]{row['stage']}[/]", f"sizes {row['cluster_sizes']}"]
+    if row.get("mean_val_accuracy") is not None:
+        parts.append(f"val acc {100 * row['mean_val_accuracy']:.1f}%")
+    if row.get("mean_test_accuracy") is not None:
+        parts.append(f"test acc {100 * row['mean_test_accuracy']:.1f}%")
+    if row.get("minority_test_accuracy") is not None:
+        parts.append(f"minority {100 * row['minority_test_accuracy']:.1f}%")
+    if row.get("max_epsilon_spent") is not None:
+        parts.append(f"eps {row['max_epsilon_spent']:.2f}")
+    if row.get("refused"):
+        parts.append(f"[yellow]refused {row['refused']}[/]")
+    if row.get("dropped"):
+        parts.append(f"[red]dropped {row['dropped']}[/]")
+    return " | ".join(parts)
+
+
+class ProgressFollower(threading.Thread):
+    """Tails ``progress.jsonl`` and shows round, stage, cluster sizes, accuracy and epsilon."""
+
+    def __init__(self, out_dir: Path, rounds: int, console: Console) -> None:
+        super().__init__(daemon=True)
+        self.path = out_dir / "progress.jsonl"
+        self.stop_event = threading.Event()
+        self.progress = Progress(
+            TextColumn("round {task.completed}/{task.total}"), BarColumn(),
+            TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
+        self.task = self.progress.add_task("starting Flower simulation (Ray) ...", total=rounds)
+        self.offset = 0
+
+    def run(self) -> None:
+        with self.progress:
+            while not self.stop_event.wait(0.5):
+                self._read()
+            self._read()
+
+    def _read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as handle:
+            handle.seek(self.offset)
+            for line in handle:
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode())
+                self._show(json.loads(line))
+
+    def _show(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "start":
+            self.progress.update(self.task, description=f"{event['silos']} silos connected")
+        elif event.get("event") == "round":
+            self.progress.update(self.task, completed=event["round"],
+                                 description=describe_round(event))
+            self.progress.console.print(f"round {event['round']:>3}: {describe_round(event)}",
+                                        highlight=False)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=5)
+
+
+def summary_table(results: dict[str, Any]) -> Table:
+    """The end-of-run table: accuracy overall / minority / majority, clustering, privacy."""
+    summary, clustering = results["summary"], results["clustering"]
+    table = Table(title=f"{results['method']} — {results['config']['out-dir']}",
+                  show_header=False)
+
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
+    table.add_row("mean test accuracy", pct(summary.get("mean_accuracy")))
+    table.add_row(f"minority (cluster {summary.get('minority_cluster')}) accuracy",
+                  pct(summary.get("minority_accuracy")))
+    table.add_row("majority accuracy", pct(summary.get("majority_accuracy")))
+    for key, label in (("n_clusters", "clusters M"), ("mss", "MSS"), ("mpo", "MPO"),
+                       ("switch_round", "switch round E_c"), ("em_iterations", "EM iterations"),
+                       ("ari", "ARI round 1"), ("final_ari", "ARI final"),
+                       ("found_structure", "full structure found"),
+                       ("minority_isolated", "minority isolated")):
+        if key in clustering:
+            value = clustering[key]
+            table.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
+    table.add_row("max epsilon spent", f"{summary.get('max_epsilon_spent', 0):.4f}")
+    table.add_row("wall time", f"{results['wall_seconds']:.1f} s")
+    return table

@@ -1,0 +1,125 @@
+"""The messages between the ServerApp and the silos' ClientApps, in one place.
+
+One record layout per message kind (Flower records only, no loose dicts):
+
+``query`` (server -> silo, once before round 1)
+    config: ``server-round`` = 0
+  reply ``silo`` (MetricRecord): ``partition-id``, ``true-cluster`` (-1 if unknown; used for
+    evaluation and the oracle only), ``num-train``, ``epsilon-budget``, ``delta``,
+    ``epsilon-spent``
+
+``train`` (server -> silo, every round)
+    ``arrays`` (ArrayRecord): the one model to train, or ``cluster-0`` .. ``cluster-{M-1}``
+    when the silo must privately select one (stage 3 of R-DPCFL, IFCA);
+    ``config`` (ConfigRecord): ``server-round``, ``stage``, ``cluster`` (-1 = select),
+    ``round-batch`` ("full" or the batch size), the whole schedule the silo calibrates its
+    noise for (``rounds``, ``local-epochs``, ``batch-size``, ``first-batch``,
+    ``select-rounds``, ``select-ratio``, ``conversion``, ``budget-mode``, ``schedule``) and
+    ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant`` and the
+    ``anchor`` ArrayRecord.
+  reply ``update`` (ArrayRecord: trained minus received weights) and ``metrics``
+    (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
+    ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``;
+  or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
+
+``evaluate`` (server -> silo)
+    ``arrays``: the model the silo would use; ``config``: ``server-round``, ``cluster``
+  reply ``metrics``: ``num-examples``, ``test-loss``, ``test-accuracy``, ``cluster``,
+    ``epsilon-spent``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+ARRAYS = "arrays"
+CONFIG = "config"
+UPDATE = "update"
+METRICS = "metrics"
+SILO = "silo"
+ANCHOR = "anchor"
+CLUSTER_PREFIX = "cluster-"
+SELECT = -1
+
+#: Error code of a silo refusing a round that would exceed its privacy budget.
+BUDGET_EXCEEDED = 4001
+#: Error code of a silo that could not run the round (bad data, bad config).
+SILO_FAILED = 4002
+
+
+def cluster_key(cluster: int) -> str:
+    return f"{CLUSTER_PREFIX}{cluster}"
+
+
+def arrays_from_vector(vector: np.ndarray, layout: ModelLayout) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in layout.unflatten(vector).items()})
+
+
+class ModelLayout:
+    """Names and shapes of a model's tensors, to move between ArrayRecords and flat vectors
+    (the server aggregates and clusters flat float32 vectors)."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> None:
+        self.names = list(names)
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.size = sum(self.sizes)
+
+    @classmethod
+    def of(cls, record: ArrayRecord) -> ModelLayout:
+        arrays = record.to_numpy_ndarrays()
+        return cls(list(record.keys()), [a.shape for a in arrays])
+
+    def flatten(self, record: ArrayRecord) -> np.ndarray:
+        if list(record.keys()) != self.names:
+            raise ValueError("array record does not have the model's tensors")
+        return np.concatenate(
+            [a.astype(np.float32, copy=False).reshape(-1) for a in record.to_numpy_ndarrays()]
+        )
+
+    def unflatten(self, vector: np.ndarray) -> dict[str, np.ndarray]:
+        if vector.shape != (self.size,):
+            raise ValueError(f"expected a vector of {self.size} values, got {vector.shape}")
+        out, start = {}, 0
+        for name, shape, size in zip(self.names, self.shapes, self.sizes, strict=True):
+            out[name] = vector[start:start + size].reshape(shape)
+            start += size
+        return out
+
+
+def number(record: Mapping[str, Any], key: str) -> float:
+    """A numeric field of a record (records are typed as unions of scalars and lists)."""
+    value = record[key]
+    if isinstance(value, bool | int | float):
+        return float(value)
+    raise ValueError(f"record field {key!r} must be a number, got {value!r}")
+
+
+def integer(record: Mapping[str, Any], key: str) -> int:
+    return int(number(record, key))
+
+
+def batch_of(record: Mapping[str, Any], key: str) -> int | Literal["full"]:
+    """A batch size field: ``"full"`` or a positive integer (sent as text)."""
+    text = str(record[key])
+    return "full" if text == "full" else int(text)
+
+
+def metric_record(values: Mapping[str, float | int]) -> MetricRecord:
+    return MetricRecord(cast(dict[str, Any], dict(values)))
+
+
+def config_of(message: Message) -> ConfigRecord:
+    return message.content.config_records[CONFIG]
+
+
+def metrics_of(message: Message, key: str = METRICS) -> MetricRecord:
+    return message.content.metric_records[key]
+
+
+def reply(message: Message, content: RecordDict) -> Message:
+    return Message(content, reply_to=message)

@@ -1,0 +1,197 @@
+"""The results directory of a run, written as the run goes (nothing is lost if it stops).
+
+``progress.jsonl``  one JSON line per round (what ``dpcfl simulate`` displays live)
+``rounds.csv``      the same per-round metrics as a table
+``results.json``    config, per-round metrics, per-silo outcome, clustering, summary;
+                    rewritten after every evaluation with ``"complete": false`` until the end
+``models/``         the final cluster models (``cluster-<m>.pt``, torch state dicts)
+``accuracy.png``    test accuracy per true cluster over rounds
+``projection.png``  round-1 updates in the 2-D projection with the fitted GMM (Fig. 5)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.metrics import adjusted_rand_score
+
+from .config import ExperimentConfig
+from .report import plot_accuracy_by_cluster, plot_projection, write_json_atomic
+from .strategies.base import ClusteredStrategy, RoundReport
+
+CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused", "dropped",
+              "cluster_sizes", "mean_val_accuracy", "mean_test_accuracy",
+              "minority_test_accuracy", "max_epsilon_spent"]
+
+
+def minority_cluster(true_clusters: dict[int, int]) -> int:
+    """The smallest true cluster among the silos (lowest index on ties)."""
+    counts: dict[int, int] = {}
+    for cluster in true_clusters.values():
+        counts[cluster] = counts.get(cluster, 0) + 1
+    return min(counts, key=lambda c: (counts[c], c))
+
+
+def structure_found(truth: dict[int, int], assigned: dict[int, int]) -> tuple[bool, bool]:
+    """(final partition equals the true one up to relabelling, the minority silos share a
+    cluster with no majority silo) -- spec §2.10's operationalisation."""
+    partitions = sorted(truth)
+    exact = adjusted_rand_score([truth[p] for p in partitions],
+                                [assigned[p] for p in partitions]) == 1.0
+    minority = minority_cluster(truth)
+    members = {assigned[p] for p in partitions if truth[p] == minority}
+    isolated = len(members) == 1 and not any(
+        assigned[p] in members for p in partitions if truth[p] != minority)
+    return exact, isolated
+
+
+class RunRecorder:
+    """A :class:`~dpcfl_flwr.strategies.base.RunObserver` that writes the results directory."""
+
+    def __init__(self, out_dir: str | Path, experiment: ExperimentConfig) -> None:
+        self.out = Path(out_dir)
+        self.experiment = experiment
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.started = time.time()
+        self.rounds: list[dict[str, Any]] = []
+        (self.out / "progress.jsonl").write_text("")
+        with (self.out / "rounds.csv").open("w", newline="") as handle:
+            csv.writer(handle).writerow(CSV_FIELDS)
+
+    def silos_known(self, strategy: ClusteredStrategy) -> None:
+        self._event({"event": "start", "silos": len(strategy.silos),
+                     "method": strategy.name, "rounds": self.experiment.num_server_rounds})
+
+    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None:
+        row = self._round_row(strategy, report)
+        self.rounds.append(row)
+        self._event({"event": "round", **row})
+        with (self.out / "rounds.csv").open("a", newline="") as handle:
+            csv.writer(handle).writerow(
+                [";".join(map(str, v)) if isinstance(v, list) else v
+                 for v in (row[k] for k in CSV_FIELDS)])
+        if report.test_accuracy:
+            write_json_atomic(self.out / "results.json", self.results(strategy, complete=False))
+
+    def finish(self, strategy: ClusteredStrategy) -> dict[str, Any]:
+        results = self.results(strategy, complete=True)
+        write_json_atomic(self.out / "results.json", results)
+        self._save_models(strategy)
+        self._plots(strategy, results)
+        self._event({"event": "done", "summary": results["summary"]})
+        return results
+
+    # --- pieces ---------------------------------------------------------------------------
+    def _event(self, payload: dict[str, Any]) -> None:
+        with (self.out / "progress.jsonl").open("a") as handle:
+            handle.write(json.dumps({"time": round(time.time() - self.started, 3), **payload},
+                                    default=float) + "\n")
+
+    def _round_row(self, strategy: ClusteredStrategy, report: RoundReport) -> dict[str, Any]:
+        truth = {p: s.true_cluster for p, s in strategy.silos.items()}
+        minority = minority_cluster(truth) if truth else -1
+        tested = report.test_accuracy or {}
+        minority_acc = [a for p, a in tested.items() if truth[p] == minority]
+        spent = [s.epsilon_spent for s in strategy.silos.values()]
+        return {
+            "round": report.round, "stage": report.stage, "seconds": round(report.seconds, 3),
+            "server_seconds": round(report.server_seconds, 3), "trained": len(report.trained),
+            "refused": report.refused, "dropped": report.dropped,
+            "cluster_sizes": report.cluster_sizes(strategy.n_clusters),
+            "mean_val_accuracy": _mean(report.val_accuracy.values()),
+            "mean_test_accuracy": _mean(tested.values()),
+            "minority_test_accuracy": _mean(minority_acc),
+            "max_epsilon_spent": max(spent) if spent else None,
+            "test_accuracy": {str(p): a for p, a in tested.items()},
+        }
+
+    def results(self, strategy: ClusteredStrategy, complete: bool) -> dict[str, Any]:
+        truth = {p: s.true_cluster for p, s in strategy.silos.items()}
+        final = {p: strategy.current_cluster(p) for p in strategy.silos}
+        clients = [
+            {"partition": p, "true_cluster": s.true_cluster, "final_cluster": final[p],
+             "test_accuracy": s.test_accuracy, "test_loss": s.test_loss,
+             "epsilon_spent": s.epsilon_spent, "epsilon_budget": s.epsilon_budget,
+             "delta": s.delta, "noise_multiplier": s.noise_multiplier,
+             "num_train": s.num_train, "dropped_rounds": s.dropped_rounds,
+             "refused_rounds": s.refused_rounds, "exhausted": s.exhausted}
+            for p, s in sorted(strategy.silos.items())
+        ]
+        return {
+            "complete": complete, "method": strategy.name,
+            "wall_seconds": round(time.time() - self.started, 2),
+            "config": self.experiment.to_run_config(),
+            "rounds": self.rounds, "clients": clients,
+            "clustering": self._clustering(strategy, truth, final),
+            "summary": summarise(clients, truth, final),
+        }
+
+    def _clustering(self, strategy: ClusteredStrategy, truth: dict[int, int],
+                    final: dict[int, int]) -> dict[str, Any]:
+        outcome = getattr(strategy, "clustering", None)
+        block: dict[str, Any] = {"n_clusters": strategy.n_clusters}
+        if truth and len(set(final.values())) >= 1:
+            exact, isolated = structure_found(truth, final)
+            block.update({"final_ari": adjusted_rand_score(
+                [truth[p] for p in sorted(truth)], [final[p] for p in sorted(truth)]),
+                "found_structure": exact, "minority_isolated": isolated})
+        if outcome is not None:
+            block.update(asdict(outcome))
+            block["ari"] = adjusted_rand_score(
+                [truth[p] for p in outcome.partitions], outcome.labels)
+        extra = getattr(strategy, "results", None)
+        if callable(extra):
+            block.update(extra())
+        return block
+
+    def _save_models(self, strategy: ClusteredStrategy) -> None:
+        folder = self.out / "models"
+        folder.mkdir(exist_ok=True)
+        for m in range(strategy.n_clusters):
+            state = {k: torch.from_numpy(np.array(v)) for k, v in
+                     strategy.layout.unflatten(strategy.models[m]).items()}
+            torch.save(state, folder / f"cluster-{m}.pt")
+
+    def _plots(self, strategy: ClusteredStrategy, results: dict[str, Any]) -> None:
+        truth = {p: s.true_cluster for p, s in strategy.silos.items()}
+        plot_accuracy_by_cluster(self.rounds, truth, self.out / "accuracy.png",
+                                 f"{strategy.name}: test accuracy per true cluster")
+        outcome = getattr(strategy, "clustering", None)
+        if outcome is not None:
+            plot_projection(
+                np.asarray(outcome.points), [truth[p] for p in outcome.partitions],
+                np.asarray(outcome.means), np.asarray(outcome.radii),
+                self.out / "projection.png",
+                f"round-1 updates: M={outcome.n_clusters}, MSS={outcome.mss:.2f}, "
+                f"ARI={results['clustering'].get('ari', float('nan')):.2f}")
+
+
+def summarise(clients: list[dict[str, Any]], truth: dict[int, int],
+              final: dict[int, int]) -> dict[str, Any]:
+    """Mean test accuracy over all silos, the minority silos and the majority silos."""
+    if not truth:
+        return {}
+    minority = minority_cluster(truth)
+    accuracy = {c["partition"]: c["test_accuracy"] for c in clients
+                if c["test_accuracy"] is not None}
+    return {
+        "mean_accuracy": _mean(accuracy.values()),
+        "minority_accuracy": _mean(a for p, a in accuracy.items() if truth[p] == minority),
+        "majority_accuracy": _mean(a for p, a in accuracy.items() if truth[p] != minority),
+        "minority_cluster": minority,
+        "max_epsilon_spent": max(c["epsilon_spent"] for c in clients),
+        "silos": len(clients),
+        "silos_evaluated": len(accuracy),
+    }
+
+
+def _mean(values: Any) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return float(np.mean(values)) if values else None

@@ -1,0 +1,111 @@
+"""Running the app in Flower's simulation engine (Ray), from Python or ``dpcfl simulate``.
+
+The same ServerApp and ClientApp as in deployment are loaded by reference through Flower's
+simulation runtime. The run config travels the way ``flwr run`` sends it: as the app's
+``[tool.flwr.app.config]``, here written to a throw-away app directory, so every virtual
+SuperNode sees it in ``context.run_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import ExperimentConfig, parse_run_config
+
+SERVER_APP = "dpcfl_flwr.server_app:app"
+CLIENT_APP = "dpcfl_flwr.client_app:app"
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> ExperimentConfig:
+    """Defaults, then a TOML file of run-config keys, then ``key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+        # Accept both a bare table of keys and a pyproject-style [tool.flwr.app.config].
+        raw.update(data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data))
+    raw.update(overrides)
+    return parse_run_config(raw)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with a TOML value (``epsilon=5``, ``dataset="mnist"``, or bare words)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"expected key=value, got {text!r}")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return key.strip(), parsed
+
+
+def _write_app_dir(directory: Path, experiment: ExperimentConfig) -> None:
+    lines = ["[project]", 'name = "dpcfl-flwr-simulation"', 'version = "0.1.0"', "",
+             "[tool.flwr.app]", 'publisher = "dpcfl"', "", "[tool.flwr.app.components]",
+             f'serverapp = "{SERVER_APP}"', f'clientapp = "{CLIENT_APP}"', "",
+             "[tool.flwr.app.config]"]
+    for key, value in experiment.to_run_config().items():
+        lines.append(f"{key} = {_toml_value(value)}")
+    (directory / "pyproject.toml").write_text("\n".join(lines) + "\n")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
+                   cpus_per_client: float = 1.0, verbose: bool = False) -> None:
+    """Run ``experiment`` with one virtual SuperNode per silo of its topology."""
+    # Flower's private runtime entry point: the public `run_simulation` passes no run config.
+    from flwr.app import Context, RecordDict
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning
+    cpus = cpus or os.cpu_count() or 1
+    backend: Any = {
+        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+        "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False,
+                      "logging_level": "DEBUG" if verbose else "ERROR",
+                      "log_to_driver": verbose},
+    }
+    with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir:
+        _write_app_dir(Path(app_dir), experiment)
+        context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
+                          run_config=experiment.to_run_config())
+        _run_simulation(
+            num_supernodes=experiment.topology.num_clients,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+            server_app_attr=SERVER_APP, client_app_attr=CLIENT_APP,
+            backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
+            server_app_context=context, verbose_logging=verbose,
+        )
+
+
+def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
+    """Make out-dir, ledger-dir and data-dir absolute (Ray workers have other cwds)."""
+    update = {}
+    for key in ("out_dir", "ledger_dir", "data_dir"):
+        value = getattr(experiment, key)
+        if value:
+            update[key] = str(Path(value).expanduser().resolve())
+    return parse_run_config({**experiment.to_run_config(),
+                             **{k.replace("_", "-"): v for k, v in update.items()}})
+
+
+__all__ = ["absolute_paths", "load_config", "parse_override", "run_simulation"]

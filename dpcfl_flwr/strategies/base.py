@@ -1,0 +1,362 @@
+"""The shared machinery of our strategies: silos, M cluster models, rounds, evaluation.
+
+Subclasses are pure decision logic: which cluster each silo trains in a round
+(:meth:`ClusteredStrategy.assign`), what the server learns from the replies
+(:meth:`ClusteredStrategy.absorb`) and which model a silo would use
+(:meth:`ClusteredStrategy.current_cluster`). This base class turns those decisions into Flower
+messages, folds the replies back into per-cluster models, and drives the rounds.
+
+Silos are keyed by their partition id, not by Flower's node id: a silo that restarts comes
+back with a new node id but the same identity, its ledger and its cluster assignment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from ..config import ExperimentConfig
+from ..protocol import (
+    ARRAYS,
+    BUDGET_EXCEEDED,
+    CONFIG,
+    METRICS,
+    SELECT,
+    SILO,
+    UPDATE,
+    ModelLayout,
+    arrays_from_vector,
+    cluster_key,
+    integer,
+    number,
+)
+from ..silo import Schedule
+from .aggregation import cluster_means
+from .exchange import exchange
+
+logger = logging.getLogger(__name__)
+
+#: Assignment of round 1 in R-DPCFL: train theta_init, belong to no cluster yet.
+INITIAL = -2
+
+
+@dataclass
+class SiloInfo:
+    """What the server knows about a silo (from its query reply and its rounds)."""
+
+    partition: int
+    node_id: int
+    true_cluster: int
+    num_train: int
+    epsilon_budget: float
+    delta: float
+    epsilon_spent: float = 0.0
+    exhausted: bool = False
+    dropped_rounds: list[int] = field(default_factory=list)
+    refused_rounds: list[int] = field(default_factory=list)
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    noise_multiplier: float | None = None
+
+
+@dataclass
+class RoundReport:
+    """What happened in one training round, for logs, progress and the results files."""
+
+    round: int
+    stage: str
+    seconds: float
+    trained: dict[int, int]  # partition -> cluster it trained
+    val_accuracy: dict[int, float]
+    refused: list[int]
+    dropped: list[int]
+    server_seconds: float = 0.0
+    test_accuracy: dict[int, float] | None = None
+
+    def cluster_sizes(self, n_clusters: int) -> list[int]:
+        counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
+        return counts.tolist()
+
+
+class RunObserver(Protocol):
+    """Receives the run as it happens (the results writer, a progress display)."""
+
+    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
+
+    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
+
+
+@dataclass
+class TrainReply:
+    cluster: int
+    update: np.ndarray
+    metrics: dict[str, Any]
+
+
+class ClusteredStrategy(Strategy):
+    """M cluster models kept by the server; subclasses decide who trains which."""
+
+    name = "clustered"
+
+    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord, n_clusters: int,
+                 observer: RunObserver | None = None) -> None:
+        self.experiment = experiment
+        self.layout = ModelLayout.of(initial)
+        self.initial = self.layout.flatten(initial)
+        self.n_clusters = n_clusters
+        self.models: list[np.ndarray] = [self.initial.copy() for _ in range(n_clusters)]
+        self.silos: dict[int, SiloInfo] = {}
+        self.observer = observer
+        self.reports: list[RoundReport] = []
+        self.rng = np.random.default_rng([experiment.seed, 7919])
+
+    # --- decisions: subclasses --------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        """The DP schedule every silo calibrates its noise for."""
+        e = self.experiment
+        return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size, e.batch_size, 0,
+                        e.select_ratio, e.conversion, e.budget_mode)
+
+    def stage(self, server_round: int) -> str:
+        return "train"
+
+    def round_batch(self, server_round: int) -> int | Literal["full"]:
+        return self.experiment.batch_size
+
+    def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
+        """Cluster index (or SELECT / INITIAL) each listed silo trains this round."""
+        raise NotImplementedError
+
+    def absorb(self, server_round: int, replies: dict[int, TrainReply]) -> None:
+        """Learn from a round's replies; by default average updates per trained cluster."""
+        self.models = cluster_means(self.models, {p: (r.cluster, r.update) for p, r in
+                                                  replies.items()}, self._weights(replies))
+
+    def current_cluster(self, partition: int) -> int:
+        """The cluster model silo ``partition`` would use now (what it is evaluated on)."""
+        raise NotImplementedError
+
+    def extra_records(self, server_round: int, partition: int) -> dict[str, Any]:
+        """Additional records of a silo's train message (MR-MTL's anchor)."""
+        return {}
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _weights(self, replies: dict[int, TrainReply]) -> dict[int, float]:
+        if self.experiment.aggregation == "samples":
+            return {p: float(self.silos[p].num_train) for p in replies}
+        return {p: 1.0 for p in replies}
+
+    def active_partitions(self) -> list[int]:
+        return sorted(p for p, s in self.silos.items() if not s.exhausted)
+
+    def model_record(self, cluster: int) -> ArrayRecord:
+        vector = self.initial if cluster == INITIAL else self.models[cluster]
+        return arrays_from_vector(vector, self.layout)
+
+    def train_config(self, server_round: int, cluster: int) -> dict[str, Any]:
+        e = self.experiment
+        return {
+            "server-round": server_round, "stage": self.stage(server_round), "cluster": cluster,
+            "round-batch": str(self.round_batch(server_round)),
+            "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
+            **self.schedule().to_config(),
+        }
+
+    # --- Flower Strategy API ------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self._train_messages(server_round).values()
+
+    def _train_messages(self, server_round: int) -> dict[int, Message]:
+        messages = {}
+        for partition, cluster in self.assign(server_round, self.active_partitions()).items():
+            content = RecordDict({CONFIG: ConfigRecord(self.train_config(server_round, cluster))})
+            if cluster == SELECT:
+                for m in range(self.n_clusters):
+                    content[cluster_key(m)] = self.model_record(m)
+            else:
+                content[ARRAYS] = self.model_record(cluster)
+            for key, record in self.extra_records(server_round, partition).items():
+                content[key] = record
+            messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
+                                          message_type="train")
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        by_node = {s.node_id: p for p, s in self.silos.items()}
+        keyed = {by_node[m.metadata.src_node_id]: m for m in replies
+                 if m.metadata.src_node_id in by_node}
+        report = self._fold_train(server_round, keyed, [], 0.0)
+        return None, MetricRecord({"silos-trained": len(report.trained)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self._evaluate_messages(server_round).values()
+
+    def _evaluate_messages(self, server_round: int) -> dict[int, Message]:
+        messages = {}
+        for partition in sorted(self.silos):
+            cluster = self.current_cluster(partition)
+            content = RecordDict({
+                ARRAYS: self.model_record(cluster),
+                CONFIG: ConfigRecord({"server-round": server_round, "cluster": cluster}),
+            })
+            messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
+                                          message_type="evaluate")
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        by_node = {s.node_id: p for p, s in self.silos.items()}
+        accuracy = self._fold_evaluate({by_node[m.metadata.src_node_id]: m for m in replies
+                                        if m.metadata.src_node_id in by_node})
+        if not accuracy:
+            return None
+        return MetricRecord({"test-accuracy": float(np.mean(list(accuracy.values())))})
+
+    def summary(self) -> None:
+        e = self.experiment
+        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, b1=%s, lr=%g, c=%g",
+                    self.name, len(self.silos), self.n_clusters, e.num_server_rounds, e.epsilon,
+                    e.delta, e.batch_size, e.first_batch, e.learning_rate, e.clip_norm)
+
+    # --- folding replies ------------------------------------------------------------------------
+    def _fold_train(self, server_round: int, replies: dict[int, Message], missing: list[int],
+                    seconds: float) -> RoundReport:
+        started = time.monotonic()
+        good: dict[int, TrainReply] = {}
+        refused: list[int] = []
+        for partition, message in sorted(replies.items()):
+            silo = self.silos[partition]
+            if message.has_error():
+                self._log_error(server_round, silo, message, refused)
+                continue
+            metrics = dict(message.content.metric_records[METRICS])
+            update = self.layout.flatten(message.content.array_records[UPDATE])
+            good[partition] = TrainReply(integer(metrics, "cluster"), update, metrics)
+            silo.epsilon_spent = number(metrics, "epsilon-spent")
+            silo.noise_multiplier = number(metrics, "noise-multiplier")
+        for partition in missing:
+            self.silos[partition].dropped_rounds.append(server_round)
+            logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
+        self.absorb(server_round, good)
+        report = RoundReport(
+            server_round, self.stage(server_round), seconds,
+            {p: r.cluster for p, r in good.items()},
+            {p: number(r.metrics, "val-accuracy") for p, r in good.items()},
+            refused, sorted(missing), server_seconds=time.monotonic() - started,
+        )
+        self.reports.append(report)
+        return report
+
+    def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
+                   refused: list[int]) -> None:
+        reason = message.error.reason
+        if message.error.code == BUDGET_EXCEEDED:
+            silo.exhausted = True
+            silo.refused_rounds.append(server_round)
+            refused.append(silo.partition)
+            logger.warning("round %d: silo %d refused: %s", server_round, silo.partition, reason)
+        else:
+            silo.dropped_rounds.append(server_round)
+            logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
+                         message.error.code, reason)
+
+    def _fold_evaluate(self, replies: dict[int, Message]) -> dict[int, float]:
+        accuracy = {}
+        for partition, message in replies.items():
+            if message.has_error():
+                logger.error("evaluation on silo %d failed: %s", partition, message.error.reason)
+                continue
+            metrics = message.content.metric_records[METRICS]
+            silo = self.silos[partition]
+            silo.test_accuracy = number(metrics, "test-accuracy")
+            silo.test_loss = number(metrics, "test-loss")
+            silo.epsilon_spent = number(metrics, "epsilon-spent")
+            accuracy[partition] = silo.test_accuracy
+        return accuracy
+
+    # --- silos ------------------------------------------------------------------------------------
+    def discover(self, grid: Grid, expected: int, wait: float) -> None:
+        """Wait until ``expected`` silos are connected (or ``wait`` s passed) and query them."""
+        deadline = time.monotonic() + wait
+        while True:
+            self.refresh_silos(grid)
+            if len(self.silos) >= expected or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if len(self.silos) < expected:
+            logger.warning("only %d of %d silos connected after %.0f s; going on with them",
+                           len(self.silos), expected, wait)
+        if not self.silos:
+            raise RuntimeError("no silo answered the query: nothing to train")
+        if self.observer is not None:
+            self.observer.silos_known(self)
+
+    def refresh_silos(self, grid: Grid) -> None:
+        """Query nodes the server has not seen yet (new silos, or restarted ones)."""
+        known = {s.node_id for s in self.silos.values()}
+        new = [n for n in grid.get_node_ids() if n not in known]
+        if not new:
+            return
+        messages = {node: Message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
+                                  dst_node_id=node, message_type="query") for node in new}
+        result = exchange(grid, messages, timeout=min(self.experiment.round_timeout, 600.0))
+        for node, message in result.replies.items():
+            if message.has_error():
+                logger.error("silo on node %d cannot start: %s", node, message.error.reason)
+                continue
+            self._register(node, message.content.metric_records[SILO])
+
+    def _register(self, node: int, info: MetricRecord) -> None:
+        partition = integer(info, "partition-id")
+        if partition in self.silos:
+            logger.warning("silo %d rejoined as node %d", partition, node)
+            self.silos[partition].node_id = node
+            self.silos[partition].epsilon_spent = number(info, "epsilon-spent")
+            return
+        self.silos[partition] = SiloInfo(
+            partition, node, integer(info, "true-cluster"), integer(info, "num-train"),
+            number(info, "epsilon-budget"), number(info, "delta"), number(info, "epsilon-spent"))
+
+    # --- the rounds -----------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+        """Drive all rounds; keeps the M models itself (Flower's loop threads only one)."""
+        self.summary()
+        result = Result()
+        for server_round in range(1, num_rounds + 1):
+            self.refresh_silos(grid)
+            sent = self._train_messages(server_round)
+            done = exchange(grid, sent, timeout)
+            report = self._fold_train(server_round, done.replies, done.missing, done.seconds)
+            result.train_metrics_clientapp[server_round] = MetricRecord(
+                {"silos-trained": len(report.trained)})
+            if server_round % self.experiment.eval_every == 0 or server_round == num_rounds:
+                evaluated = exchange(grid, self._evaluate_messages(server_round), timeout)
+                report.test_accuracy = self._fold_evaluate(evaluated.replies)
+                if report.test_accuracy:
+                    result.evaluate_metrics_clientapp[server_round] = MetricRecord(
+                        {"test-accuracy": float(np.mean(list(report.test_accuracy.values())))})
+            self._log_round(report)
+            if self.observer is not None:
+                self.observer.round_done(self, report)
+        result.arrays = self.model_record(0)
+        return result
+
+    def _log_round(self, report: RoundReport) -> None:
+        tested = report.test_accuracy
+        accuracy = f", test acc {np.mean(list(tested.values())):.3f}" if tested else ""
+        logger.info("round %d [%s]: %d trained, cluster sizes %s, %.1f s%s", report.round,
+                    report.stage, len(report.trained), report.cluster_sizes(self.n_clusters),
+                    report.seconds, accuracy)

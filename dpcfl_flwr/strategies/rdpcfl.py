@@ -1,0 +1,155 @@
+"""R-DPCFL (Algorithm 1 of the TMLR 2025 paper, spec §2): cluster by gradients, then by losses.
+
+Round 1: every silo takes one full-batch DP step from theta_init; the server clusters the
+updates (PCA -> spherical GMM), records MSS/MPO and sets E_c = floor((1 - MPO) E / 2).
+Rounds 2..E_c: each silo trains the model of a cluster drawn from its soft assignment pi_i.
+Rounds > E_c: silos receive all M models and choose one privately (exponential mechanism on
+train accuracy); with the ``window`` option (the authors' runs) they choose for T_sel rounds,
+E_c+1..E_c+T_sel, and keep their last choice afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from ..clustering import UpdateClusterer, switch_round
+from ..config import ExperimentConfig
+from ..protocol import SELECT
+from ..silo import Schedule
+from .base import INITIAL, ClusteredStrategy, RunObserver, TrainReply
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusteringOutcome:
+    """What the server learnt from round 1 (spec §2.6), for results and plots."""
+
+    partitions: list[int]
+    n_clusters: int
+    mss: float
+    mpo: float
+    switch_round: int
+    em_iterations: int
+    converged: bool
+    labels: list[int]
+    responsibilities: list[list[float]]
+    points: list[list[float]]
+    means: list[list[float]]
+    radii: list[float]
+    candidate_mss: dict[int, float]
+
+
+class RDPCFL(ClusteredStrategy):
+    """The server side of R-DPCFL; silos do DP-SGD and their own private selection."""
+
+    name = "rdpcfl"
+
+    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
+                 observer: RunObserver | None = None) -> None:
+        m = experiment.n_clusters or experiment.max_clusters
+        super().__init__(experiment, initial, m, observer)
+        self.pi: dict[int, np.ndarray] = {}
+        self.choice: dict[int, int] = {}
+        self.clustering: ClusteringOutcome | None = None
+        self.switch = experiment.num_server_rounds  # E_c; set after round 1
+
+    # --- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        e = self.experiment
+        return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size,
+                        e.first_round_batch, e.select_rounds, e.select_ratio, e.conversion,
+                        e.budget_mode)
+
+    def select_window(self) -> range:
+        """Rounds with private selection: E_c+1 .. E_c+T_sel (exactly T_sel charged, spec
+        §9 item 21), or every round after E_c."""
+        last = self.experiment.num_server_rounds
+        if self.experiment.selection == "every-round":
+            return range(self.switch + 1, last + 1)
+        return range(self.switch + 1, min(self.switch + self.experiment.select_rounds, last) + 1)
+
+    def stage(self, server_round: int) -> str:
+        if server_round == 1:
+            return "clustering"
+        if server_round <= self.switch:
+            return "soft"
+        if server_round in self.select_window():
+            return "select"
+        return "frozen"
+
+    def round_batch(self, server_round: int) -> int | Literal["full"]:
+        if server_round == 1:
+            return self.experiment.first_round_batch
+        return self.experiment.batch_size
+
+    # --- decisions --------------------------------------------------------------------------
+    def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
+        stage = self.stage(server_round)
+        if stage == "clustering":
+            return dict.fromkeys(partitions, INITIAL)
+        if stage == "soft":
+            # A fresh draw every round, seeded per round for reproducibility (spec §2.7).
+            rng = np.random.default_rng([self.experiment.seed, server_round])
+            return {p: int(rng.choice(self.n_clusters, p=self._pi(p))) for p in partitions}
+        if stage == "select":
+            return dict.fromkeys(partitions, SELECT)
+        return {p: self.current_cluster(p) for p in partitions}
+
+    def _pi(self, partition: int) -> np.ndarray:
+        """Soft assignment; a silo that missed round 1 is spread uniformly."""
+        if partition not in self.pi:
+            return np.full(self.n_clusters, 1.0 / self.n_clusters)
+        return self.pi[partition]
+
+    def current_cluster(self, partition: int) -> int:
+        if partition in self.choice:
+            return self.choice[partition]
+        return int(np.argmax(self._pi(partition)))
+
+    def absorb(self, server_round: int, replies: dict[int, TrainReply]) -> None:
+        if server_round == 1:
+            self._cluster_round_one(replies)
+            return
+        for partition, reply in replies.items():
+            if bool(reply.metrics.get("selected", 0)):
+                self.choice[partition] = reply.cluster
+        super().absorb(server_round, replies)
+
+    def _cluster_round_one(self, replies: dict[int, TrainReply]) -> None:
+        partitions = sorted(replies)
+        if len(partitions) < 3:
+            raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
+        e = self.experiment
+        candidates = range(2, min(e.max_clusters, len(partitions) - 1) + 1)
+        fitted = UpdateClusterer(e.n_clusters or None, candidates,
+                                 random_state=e.seed).fit(
+            np.stack([replies[p].update for p in partitions]))
+        self.n_clusters = fitted.n_clusters_
+        self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
+        self.switch = switch_round(fitted.mpo_, e.num_server_rounds)
+        self.clustering = ClusteringOutcome(
+            partitions, fitted.n_clusters_, fitted.mss_, fitted.mpo_, self.switch,
+            fitted.n_iter_, fitted.converged_, fitted.labels_.tolist(),
+            fitted.responsibilities_.tolist(), fitted.points_.tolist(), fitted.means_.tolist(),
+            fitted.radii_.tolist(), fitted.candidate_mss_)
+        self.models = [self._reset_model(replies, partitions) for _ in range(self.n_clusters)]
+        logger.info("round 1 clustering: M=%d, MSS=%.3f, MPO=%.3g, E_c=%d, EM iterations=%d",
+                    self.n_clusters, fitted.mss_, fitted.mpo_, self.switch, fitted.n_iter_)
+
+    def _reset_model(self, replies: dict[int, TrainReply], partitions: list[int]) -> np.ndarray:
+        """theta_init for every cluster ([001] Alg. 1 line 13), or the authors' code: the
+        round-1 model of the first client (spec §9 item 9)."""
+        if self.experiment.cluster_init == "client0":
+            return (self.initial + replies[partitions[0]].update).astype(np.float32)
+        return self.initial.copy()
+
+    def results(self) -> dict[str, Any]:
+        return {"switch_round": self.switch,
+                "select_rounds": [self.select_window().start, self.select_window().stop - 1],
+                "frozen_choices": dict(self.choice)}

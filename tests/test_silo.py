@@ -1,0 +1,184 @@
+"""A silo's own privacy decisions, and the real ClientApp handling real messages."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from dpcfl_flwr.client_app import app as client_app
+from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.privacy import GaussianSteps, PrivacyLedger, Selection
+from dpcfl_flwr.protocol import (
+    ARRAYS,
+    BUDGET_EXCEEDED,
+    CONFIG,
+    METRICS,
+    SELECT,
+    SILO,
+    UPDATE,
+    cluster_key,
+)
+from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.silo import BudgetExceeded, Schedule, Silo
+
+N = 80
+
+
+@pytest.fixture()
+def experiment(tmp_path):
+    return parse_run_config({"clusters": "1,1", "samples-per-client": N, "test-samples": 40,
+                             "num-server-rounds": 5, "epsilon": 4.0, "select-window": 0.4,
+                             "out-dir": str(tmp_path / "run")})
+
+
+def _schedule(experiment) -> Schedule:
+    e = experiment
+    return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size, e.first_round_batch,
+                    e.select_rounds, e.select_ratio, e.conversion, e.budget_mode)
+
+
+def _silo(experiment, run_id=7, partition=1, **node):
+    return Silo(parse_node_config({"partition-id": partition, **node}), experiment, run_id)
+
+
+def test_plan_is_made_once_per_run_and_survives_a_restart(experiment):
+    silo = _silo(experiment)
+    plan = silo.plan(_schedule(experiment))
+    silo.persist()
+    restarted = _silo(experiment)
+    assert restarted.plan(_schedule(experiment)) == plan
+    assert restarted.ledger.meta["runs"]["7"]["noise_multiplier"] == plan.noise_multiplier
+
+
+def test_a_changed_schedule_in_the_same_run_is_refused(experiment):
+    silo = _silo(experiment)
+    silo.plan(_schedule(experiment))
+    longer = Schedule(50, 1, 32, "full", 2, 0.03, "classic", "split")
+    with pytest.raises(BudgetExceeded, match="changed the DP schedule"):
+        silo.plan(longer)
+
+
+def test_a_second_run_fits_into_what_the_first_left(experiment):
+    first = _silo(experiment, run_id=1)
+    plan = first.plan(_schedule(experiment))
+    first.ledger.record([GaussianSteps(plan.noise_multiplier, 1.0, 1, round=1)])
+    first.persist()
+    second = _silo(experiment, run_id=2)
+    later = second.plan(_schedule(experiment))
+    assert later.noise_multiplier > plan.noise_multiplier  # less budget left, more noise
+    # Running the whole second schedule on top of the first run stays within the budget.
+    whole = [second.round_cost(later, "full", 1, 1)] + [
+        second.round_cost(later, 32, r, 1) for r in range(2, 6)] + [
+        Selection(later.epsilon_select, round=r) for r in (3, 4)]
+    assert not second.ledger.would_exceed(whole, second.budget)
+
+
+def test_check_refuses_with_a_reason(experiment):
+    silo = _silo(experiment)
+    huge = GaussianSteps(0.1, 1.0, 50, round=3)
+    with pytest.raises(BudgetExceeded, match="refuses round 3: it would spend eps=.* > budget 4"):
+        silo.check([huge], 3)
+
+
+def test_the_longer_history_wins_between_state_and_file(experiment):
+    silo = _silo(experiment)
+    silo.ledger.record([GaussianSteps(1.0, 0.1, 5, round=1), GaussianSteps(1.0, 0.1, 5, round=2)])
+    state_json = silo.ledger.to_json()
+    silo.ledger.entries.pop()
+    silo.persist()  # the file now lags behind the state (e.g. restored from a backup)
+    reopened = Silo(parse_node_config({"partition-id": 1}), experiment, 7, state_json)
+    assert len(reopened.ledger.entries) == 2
+
+
+def test_node_config_overrides_the_run_config_budget(experiment, tmp_path):
+    silo = _silo(experiment, epsilon=2.5, delta=1e-5, **{"ledger-path": str(tmp_path / "l.json"),
+                                                        "true-cluster": 1})
+    described = silo.describe()
+    assert (described["epsilon-budget"], described["delta"]) == (2.5, 1e-5)
+    assert described["true-cluster"] == 1 and described["num-train"] == N
+    silo.persist()
+    assert (tmp_path / "l.json").exists()
+
+
+# --- the real ClientApp -----------------------------------------------------------------------
+def _context(experiment, partition=1) -> Context:
+    return Context(run_id=11, node_id=500 + partition,
+                   node_config={"partition-id": partition, "num-partitions": 2},
+                   state=RecordDict(), run_config=experiment.to_run_config())
+
+
+def _message(content: RecordDict, kind: str, node: int) -> Message:
+    message = Message(content, dst_node_id=node, message_type=kind)
+    message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+    return message
+
+
+def _train_content(experiment, server_round, cluster, models):
+    config = {"server-round": server_round, "stage": "x", "cluster": cluster,
+              "round-batch": "full" if server_round == 1 else "32", "learning-rate": 0.01,
+              "clip-norm": 1.0, **_schedule(experiment).to_config()}
+    content = RecordDict({CONFIG: ConfigRecord(config)})
+    if cluster == SELECT:
+        for m, record in enumerate(models):
+            content[cluster_key(m)] = record
+    else:
+        content[ARRAYS] = models[0]
+    return content
+
+
+def test_client_app_trains_charges_selects_and_refuses(server_task_identity, experiment):
+    context = _context(experiment)
+    query = client_app(_message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
+                                "query", 501), context)
+    assert int(query.content.metric_records[SILO]["partition-id"]) == 1
+    model = initial_arrays(experiment)
+    first = client_app(_message(_train_content(experiment, 1, -2, [model]), "train", 501),
+                       context)
+    metrics = first.content.metric_records[METRICS]
+    update = first.content.array_records[UPDATE].to_numpy_ndarrays()
+    assert any(np.abs(u).sum() > 0 for u in update)
+    ledger = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
+    assert [(e.sample_rate, e.round) for e in ledger.entries] == [(1.0, 1)]
+    assert metrics["epsilon-spent"] == pytest.approx(ledger.spent(
+        Silo(parse_node_config({"partition-id": 1}), experiment, 11).budget))
+    second = client_app(_message(_train_content(experiment, 2, SELECT, [model, model]),
+                                 "train", 501), context)
+    assert second.content.metric_records[METRICS]["selected"] == 1
+    ledger = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
+    assert [e.kind for e in ledger.entries] == ["gaussian", "selection", "gaussian"]
+    # An earlier run's history pushes this silo over its budget: it must refuse, not train.
+    ledger.record([GaussianSteps(0.2, 1.0, 10, round=None)])
+    ledger.save(experiment.ledger_directory() / "silo-1.json")
+    context.state = RecordDict()
+    refused = client_app(_message(_train_content(experiment, 3, 0, [model]), "train", 501),
+                         context)
+    assert refused.has_error() and refused.error.code == BUDGET_EXCEEDED
+    assert "refuses round 3" in refused.error.reason
+    after = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
+    assert len(after.entries) == len(ledger.entries)  # nothing charged for a refused round
+
+
+def test_client_app_evaluates_on_its_test_split(server_task_identity, experiment):
+    reply = client_app(_message(RecordDict({
+        ARRAYS: initial_arrays(experiment),
+        CONFIG: ConfigRecord({"server-round": 5, "cluster": 0})}), "evaluate", 501),
+        _context(experiment))
+    metrics = reply.content.metric_records[METRICS]
+    assert metrics["num-examples"] == 40 and 0.0 <= metrics["test-accuracy"] <= 1.0
+
+
+def test_client_app_reports_a_bad_run_config_as_an_error(server_task_identity, experiment):
+    context = _context(experiment)
+    context.run_config = {**context.run_config, "epsilon": -3.0}
+    reply = client_app(_message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
+                                "query", 501), context)
+    assert reply.has_error() and "'epsilon' = -3.0 is invalid" in reply.error.reason
+
+
+def test_array_record_round_trip_is_lossless(experiment):
+    record = initial_arrays(experiment)
+    state = record.to_torch_state_dict()
+    assert ArrayRecord(state).object_id == record.object_id

@@ -1,0 +1,173 @@
+"""R-DPCFL's stages driven message by message with scripted silo replies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.protocol import ARRAYS, METRICS, SELECT, SILO, UPDATE, ModelLayout, cluster_key
+from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.strategies import RDPCFL
+from dpcfl_flwr.strategies.base import INITIAL
+
+from .grid_double import GridDouble
+
+TRUTH = [0, 0, 1, 1, 1, 2, 2, 2]  # topology {2, 3, 3}
+NODE = 1000  # node ids are 1000 + partition, to keep them apart from partitions
+
+
+class ScriptedSilo:
+    """Round 1: an update near its true cluster's centre. Later: a small push along its own
+    coordinate, so cluster models become recognisable; it selects the model strongest on it."""
+
+    def __init__(self, partition: int, layout: ModelLayout, centres: np.ndarray) -> None:
+        self.partition, self.layout, self.centres = partition, layout, centres
+        self.rng = np.random.default_rng(partition)
+
+    def __call__(self, message: Message) -> Message:
+        kind = message.metadata.message_type
+        if kind == "query":
+            return self._reply(message, {SILO: MetricRecord({
+                "partition-id": self.partition, "true-cluster": TRUTH[self.partition],
+                "num-train": 100, "epsilon-budget": 10.0, "delta": 1e-4,
+                "epsilon-spent": 0.0})})
+        config = message.content.config_records["config"]
+        if kind == "evaluate":
+            own = self._score(message.content.array_records[ARRAYS])
+            return self._reply(message, {METRICS: MetricRecord({
+                "test-accuracy": float(own), "test-loss": 1.0, "num-examples": 10,
+                "epsilon-spent": 1.0, "cluster": int(config["cluster"])})})
+        return self._train(message, int(config["cluster"]))
+
+    def _score(self, record: ArrayRecord) -> int:
+        vector = self.layout.flatten(record)
+        return int(np.argmax(vector[:3]) == TRUTH[self.partition])
+
+    def _train(self, message: Message, cluster: int) -> Message:
+        records = message.content.array_records
+        selected = cluster == SELECT
+        if selected:
+            scores = [self.layout.flatten(records[cluster_key(m)])[TRUTH[self.partition]]
+                      for m in range(sum(k.startswith("cluster-") for k in records))]
+            cluster = int(np.argmax(scores))
+        update = np.zeros(self.layout.size, dtype=np.float32)
+        if cluster == INITIAL:
+            update = self.centres[TRUTH[self.partition]] + self.rng.normal(
+                0, 0.01, self.layout.size).astype(np.float32)
+        else:
+            update[TRUTH[self.partition]] = 1.0
+        return self._reply(message, {
+            UPDATE: ArrayRecord({k: v for k, v in
+                                 zip(self.layout.names, self._arrays(update), strict=True)}),
+            METRICS: MetricRecord({"cluster": cluster, "selected": int(selected),
+                                   "num-examples": 100, "val-loss": 1.0, "val-accuracy": 0.5,
+                                   "epsilon-spent": 1.0, "noise-multiplier": 1.2})})
+
+    def _arrays(self, vector: np.ndarray):
+        from flwr.app import Array
+        return [Array(v) for v in self.layout.unflatten(vector).values()]
+
+    @staticmethod
+    def _reply(message: Message, records: dict) -> Message:
+        return Message(RecordDict(records), reply_to=message)
+
+
+@pytest.fixture()
+def run(server_task_identity):
+    experiment = parse_run_config({
+        "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": 10, "select-window": 0.2,
+        "eval-every": 3, "out-dir": "unused"})
+    initial = initial_arrays(experiment)
+    strategy = RDPCFL(experiment, initial)
+    layout = ModelLayout.of(initial)
+    centres = np.random.default_rng(0).normal(0, 1, (3, layout.size)).astype(np.float32)
+    grid = GridDouble({NODE + p: ScriptedSilo(p, layout, centres) for p in range(len(TRUTH))})
+    strategy.discover(grid, expected=len(TRUTH), wait=1)
+    strategy.start(grid, initial, experiment.num_server_rounds, timeout=10)
+    return strategy, grid, layout
+
+
+def _train_messages(grid: GridDouble, server_round: int) -> dict[int, Message]:
+    return {m.metadata.dst_node_id - NODE: m for m in grid.of_type("train")
+            if int(m.content.config_records["config"]["server-round"]) == server_round}
+
+
+def test_round_one_sends_theta_init_with_full_batch_and_clusters_exactly(run):
+    strategy, grid, layout = run
+    first = _train_messages(grid, 1)
+    assert sorted(first) == list(range(len(TRUTH)))
+    for message in first.values():
+        config = message.content.config_records["config"]
+        assert (config["stage"], config["round-batch"], config["cluster"]) == (
+            "clustering", "full", INITIAL)
+        np.testing.assert_array_equal(layout.flatten(message.content.array_records[ARRAYS]),
+                                      strategy.initial)
+    outcome = strategy.clustering
+    labels = dict(zip(outcome.partitions, outcome.labels, strict=True))
+    # Same true cluster <=> same GMM label: the exact partition.
+    for a in range(len(TRUTH)):
+        for b in range(len(TRUTH)):
+            assert (labels[a] == labels[b]) == (TRUTH[a] == TRUTH[b])
+    assert outcome.mss > 3
+    assert strategy.switch == math.floor((1 - outcome.mpo) * 10 / 2) == 5
+
+
+def test_soft_stage_sends_each_silo_the_model_of_its_gmm_cluster(run):
+    strategy, grid, layout = run
+    labels = dict(zip(strategy.clustering.partitions, strategy.clustering.labels, strict=True))
+    for server_round in range(2, 6):
+        for partition, message in _train_messages(grid, server_round).items():
+            config = message.content.config_records["config"]
+            assert config["stage"] == "soft"
+            assert config["round-batch"] == "32"
+            # pi is one-hot for separated clusters, so the draw is the GMM label.
+            assert int(config["cluster"]) == labels[partition]
+    # Round 2's models were all theta_init (reset after round 1, Alg. 1 line 13).
+    for message in _train_messages(grid, 2).values():
+        np.testing.assert_array_equal(
+            layout.flatten(message.content.array_records[ARRAYS]), strategy.initial)
+
+
+def test_select_window_sends_all_models_and_then_freezes_the_choice(run):
+    strategy, grid, layout = run
+    select_rounds = [r for r in range(1, 11)
+                     if _train_messages(grid, r)[0].content.config_records["config"]["stage"]
+                     == "select"]
+    assert select_rounds == [6, 7]  # E_c + 1 .. E_c + T_sel, T_sel = int(0.2 * 10)
+    for server_round in select_rounds:
+        for message in _train_messages(grid, server_round).values():
+            records = message.content.array_records
+            assert int(message.content.config_records["config"]["cluster"]) == SELECT
+            assert sorted(records) == [cluster_key(m) for m in range(3)]
+    for server_round in (8, 9, 10):
+        for partition, message in _train_messages(grid, server_round).items():
+            config = message.content.config_records["config"]
+            assert config["stage"] == "frozen"
+            assert int(config["cluster"]) == strategy.choice[partition]
+    # Every silo picked the model its own kind trained: the choices are the true partition.
+    for a in range(len(TRUTH)):
+        for b in range(len(TRUTH)):
+            assert (strategy.choice[a] == strategy.choice[b]) == (TRUTH[a] == TRUTH[b])
+
+
+def test_cluster_models_are_uniform_means_of_their_members_updates(run):
+    strategy, grid, layout = run
+    labels = dict(zip(strategy.clustering.partitions, strategy.clustering.labels, strict=True))
+    # Each member of a cluster pushes +1 on its own coordinate every round from round 2 on;
+    # uniform averaging gives +1 per round on that coordinate, for 9 rounds.
+    for partition, label in labels.items():
+        np.testing.assert_allclose(
+            strategy.models[label][TRUTH[partition]] - strategy.initial[TRUTH[partition]], 9.0,
+            rtol=1e-5)
+
+
+def test_evaluation_uses_the_model_each_silo_would_use(run):
+    strategy, grid, _ = run
+    evaluations = grid.of_type("evaluate")
+    assert {int(m.content.config_records["config"]["server-round"]) for m in evaluations} == {
+        3, 6, 9, 10}
+    assert all(s.test_accuracy == 1.0 for s in strategy.silos.values())
