@@ -76,6 +76,7 @@ _SUPPORTED = (nn.Conv2d, nn.Linear, nn.GroupNorm)
 def layerwise_supported(model: nn.Module) -> bool:
     """True when every trainable parameter belongs to a Conv2d, Linear or GroupNorm layer."""
     owned = {id(p) for m in model.modules() if isinstance(m, _SUPPORTED)
+             and not (isinstance(m, nn.Conv2d) and isinstance(m.padding, str))
              for p in m.parameters(recurse=False)}
     return all(id(p) in owned for p in model.parameters() if p.requires_grad)
 
@@ -135,11 +136,11 @@ class _LayerGrads:
     """Per-sample gradients of one layer's parameters, possibly in factored form."""
 
     def __init__(self, squared_norms: torch.Tensor,
-                 weighted: Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]):
+                 weighted: Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]):
         self.squared_norms = squared_norms
         self._weighted = weighted
 
-    def weighted_sums(self, factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def weighted_sums(self, factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._weighted(factors)
 
 
@@ -148,10 +149,12 @@ def _per_sample(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _LayerGr
         return _linear(module, a, g)
     if isinstance(module, nn.Conv2d):
         return _conv2d(module, a, g)
-    return _group_norm(module, a, g)
+    if isinstance(module, nn.GroupNorm):
+        return _group_norm(module, a, g)
+    raise TypeError(f"no per-sample rule for {type(module).__name__}")
 
 
-def _materialised(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> _LayerGrads:
+def _materialised(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _LayerGrads:
     """Per-sample gradients held as (B, ...) tensors: norms and weighted sums directly."""
     flat = [(p, t.reshape(t.shape[0], -1)) for p, t in pairs]
     squared = torch.stack([t.pow(2).sum(1) for _, t in flat]).sum(0)
@@ -169,7 +172,7 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     g_sq = g.pow(2).sum(1)
     squared = g_sq * a.pow(2).sum(1) + (g_sq if module.bias is not None else 0.0)
 
-    def weighted(c: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         scaled = g * c[:, None]
         out = [(module.weight, scaled.t() @ a)]
         if module.bias is not None:
@@ -181,6 +184,8 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
 
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     batch = a.shape[0]
+    if isinstance(module.padding, str):
+        raise ValueError("the layerwise engine needs numeric conv padding")
     columns = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
     grads = g.reshape(batch, g.shape[1], -1)
     if module.groups == 1:
