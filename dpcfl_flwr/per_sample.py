@@ -204,7 +204,7 @@ def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
 def _group_norm(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     normalised = F.group_norm(a, module.num_groups, eps=module.eps)
     dims = tuple(range(2, a.dim()))
-    pairs = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     if module.weight is not None:
         pairs.append((module.weight, (normalised * g).sum(dims)))
     if module.bias is not None:
