@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
+from torch.nn.grad import conv2d_weight
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -190,7 +191,7 @@ def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
         # The batch becomes the group dimension of one weight-gradient convolution: every
         # sample's gradient comes from the backend's conv kernel, ~3x faster on this CPU than
         # unfold + bmm for the paper's CNN (bench/RESULTS.md).
-        weight = torch.nn.grad.conv2d_weight(
+        weight = conv2d_weight(
             a.reshape(1, batch * a.shape[1], *a.shape[2:]),
             (batch * module.out_channels, *module.weight.shape[1:]),
             g.reshape(1, batch * g.shape[1], *g.shape[2:]),
