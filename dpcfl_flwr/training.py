@@ -40,7 +40,7 @@ class DPSGDConfig:
     batch_size: int | Literal["full"]
     epochs: int = 1
     physical_batch_size: int | None = None  # None: as large as the memory budget allows
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "auto"  # layerwise when the model allows it (bench/RESULTS.md)
 
     def __post_init__(self) -> None:
         if self.noise_multiplier <= 0:
