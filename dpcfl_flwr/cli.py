@@ -170,6 +170,7 @@ def simulate(
                                    help="Reuse an existing results directory (its ledgers too)."),
     cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for Ray (0: all)."),
     verbose: bool = typer.Option(False, "--verbose", help="Show Flower's and Ray's logs."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live view; one line per round."),
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .progress import ProgressFollower, summary_table
@@ -196,12 +197,15 @@ def simulate(
     console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {experiment.dataset} "
                   f"({experiment.shift}, clusters {experiment.clusters}), "
                   f"E={experiment.num_server_rounds}, eps={experiment.epsilon:g} -> {out_dir}")
-    follower = ProgressFollower(out_dir, experiment.num_server_rounds, console)
-    follower.start()
+    follower = None if quiet else ProgressFollower(out_dir, experiment.num_server_rounds,
+                                                   console)
+    if follower is not None:
+        follower.start()
     try:
         run_simulation(experiment, cpus=cpus or None, verbose=verbose)
     finally:
-        follower.stop()
+        if follower is not None:
+            follower.stop()
     results_file = out_dir / "results.json"
     if not results_file.exists():
         _fail(f"the run ended without results; see the log above ({out_dir})")
@@ -211,6 +215,40 @@ def simulate(
         _fail(f"the run stopped early; partial results in {results_file}")
         return
     console.print(summary_table(results))
+
+
+@app.command("compare")
+def compare(
+    methods: str = typer.Option("rdpcfl,global,local,ifca,mrmtl,oracle", "--methods",
+                                help="Comma-separated methods."),
+    epsilons: str = typer.Option("3,5,10", "--epsilons", help="Comma-separated budgets."),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="Comma-separated seeds."),
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                help="Run-config TOML, with optional [method.<name>] tables."),
+    out: Path = typer.Option(Path("results/compare"), "--out", help="Grid directory."),
+    cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for each simulation (0: all)."),
+) -> None:
+    """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
+    write summary.md / summary.csv / comparison.png in the paper's form."""
+    from .compare import collect as collect_cells
+    from .compare import load_grid_config, parse_numbers, plan_grid, run_grid, write_reports
+
+    try:
+        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+        eps_list = parse_numbers(epsilons, float)
+        seed_list = parse_numbers(seeds, int)
+        base, per_method = load_grid_config(config)
+        runs = plan_grid(method_list, eps_list, seed_list, out)
+        failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
+            line, highlight=False))
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+        return
+    table = write_reports(collect_cells(runs), method_list, eps_list, out)
+    console.print(table)
+    console.print(f"tables and plot in {out}/summary.md, summary.csv, comparison.png")
+    if failed:
+        _fail(f"{len(failed)} run(s) failed: {', '.join(r.label for r in failed)}")
 
 
 def _configure_logging(verbose: bool) -> None:

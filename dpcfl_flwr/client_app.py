@@ -22,6 +22,7 @@ from .protocol import (
     ARRAYS,
     BUDGET_EXCEEDED,
     METRICS,
+    OWN_MODEL,
     SELECT,
     SILO,
     SILO_FAILED,
@@ -111,7 +112,7 @@ def train(message: Message, context: Context) -> Message:
         cluster = silo.select(candidates, plan, server_round)
         start = candidates[cluster]
     else:
-        start = _state(records[ARRAYS])
+        start = _received_or_own(message, context)
     prox = None
     if ANCHOR in records and str(config.get("prox-variant", "correct")) == "correct":
         prox = (number(config, "prox-lambda"), _state(records[ANCHOR]))
@@ -122,8 +123,25 @@ def train(message: Message, context: Context) -> Message:
     _close_silo(context, silo)  # charged on disk before anything leaves the silo
     metrics.update({"cluster": cluster, "selected": int(selecting),
                     "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier})
-    return reply(message, RecordDict({UPDATE: ArrayRecord(update),
-                                      METRICS: metric_record(metrics)}))
+    content = RecordDict({METRICS: metric_record(metrics)})
+    if "personal" in config and integer(config, "personal") == 1:
+        # Local training: the model stays in the silo; only metrics leave it.
+        trained = {k: start[k] + update[k] for k in start}
+        context.state[OWN_MODEL] = ArrayRecord(trained)
+    else:
+        content[UPDATE] = ArrayRecord(update)
+    return reply(message, content)
+
+
+def _received_or_own(message: Message, context: Context) -> dict[str, torch.Tensor]:
+    """The weights the server sent, or the silo's own model when it sent none (Local)."""
+    records = message.content.array_records
+    if ARRAYS in records:
+        return _state(records[ARRAYS])
+    if OWN_MODEL in context.state.array_records:
+        return _state(context.state.array_records[OWN_MODEL])
+    raise ValueError("no model received and no own model kept from an earlier round "
+                     f"(state has {sorted(context.state.keys())})")
 
 
 @app.evaluate()
@@ -131,6 +149,6 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     silo = _open_silo(context)
     config = config_of(message)
-    metrics = silo.test(_state(message.content.array_records[ARRAYS]))
+    metrics = silo.test(_received_or_own(message, context))
     metrics.update({"cluster": integer(config, "cluster"), "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

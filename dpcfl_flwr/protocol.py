@@ -16,7 +16,8 @@ One record layout per message kind (Flower records only, no loose dicts):
     noise for (``rounds``, ``local-epochs``, ``batch-size``, ``first-batch``,
     ``select-rounds``, ``select-ratio``, ``conversion``, ``budget-mode``, ``schedule``) and
     ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant`` and the
-    ``anchor`` ArrayRecord.
+    ``anchor`` ArrayRecord; Local sends ``personal`` = 1 (keep the trained model, reply
+    without an update) and, after round 1, no weights at all (``cluster`` = -3, own model).
   reply ``update`` (ArrayRecord: trained minus received weights) and ``metrics``
     (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
     ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``;
@@ -43,7 +44,10 @@ METRICS = "metrics"
 SILO = "silo"
 ANCHOR = "anchor"
 CLUSTER_PREFIX = "cluster-"
+OWN_MODEL = "own-model"
 SELECT = -1
+#: Train / evaluate the silo's own model, kept in its state (Local); no weights are sent.
+OWN = -3
 
 #: Error code of a silo refusing a round that would exceed its privacy budget.
 BUDGET_EXCEEDED = 4001

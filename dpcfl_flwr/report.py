@@ -63,7 +63,7 @@ def plot_projection(
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="best")
     ax.set_aspect("equal", adjustable="datalim")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_accuracy_by_cluster(
@@ -89,10 +89,10 @@ def plot_accuracy_by_cluster(
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

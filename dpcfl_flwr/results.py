@@ -137,7 +137,7 @@ class RunRecorder:
                     final: dict[int, int]) -> dict[str, Any]:
         outcome = getattr(strategy, "clustering", None)
         block: dict[str, Any] = {"n_clusters": strategy.n_clusters}
-        if truth and len(set(final.values())) >= 1:
+        if truth and strategy.discovers_clusters:
             exact, isolated = structure_found(truth, final)
             block.update({"final_ari": adjusted_rand_score(
                 [truth[p] for p in sorted(truth)], [final[p] for p in sorted(truth)]),

@@ -6,74 +6,16 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message
 
 from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.protocol import ARRAYS, METRICS, SELECT, SILO, UPDATE, ModelLayout, cluster_key
+from dpcfl_flwr.protocol import ARRAYS, SELECT, ModelLayout, cluster_key
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import RDPCFL
 from dpcfl_flwr.strategies.base import INITIAL
 
 from .grid_double import GridDouble
-
-TRUTH = [0, 0, 1, 1, 1, 2, 2, 2]  # topology {2, 3, 3}
-NODE = 1000  # node ids are 1000 + partition, to keep them apart from partitions
-
-
-class ScriptedSilo:
-    """Round 1: an update near its true cluster's centre. Later: a small push along its own
-    coordinate, so cluster models become recognisable; it selects the model strongest on it."""
-
-    def __init__(self, partition: int, layout: ModelLayout, centres: np.ndarray) -> None:
-        self.partition, self.layout, self.centres = partition, layout, centres
-        self.rng = np.random.default_rng(partition)
-
-    def __call__(self, message: Message) -> Message:
-        kind = message.metadata.message_type
-        if kind == "query":
-            return self._reply(message, {SILO: MetricRecord({
-                "partition-id": self.partition, "true-cluster": TRUTH[self.partition],
-                "num-train": 100, "epsilon-budget": 10.0, "delta": 1e-4,
-                "epsilon-spent": 0.0})})
-        config = message.content.config_records["config"]
-        if kind == "evaluate":
-            own = self._score(message.content.array_records[ARRAYS])
-            return self._reply(message, {METRICS: MetricRecord({
-                "test-accuracy": float(own), "test-loss": 1.0, "num-examples": 10,
-                "epsilon-spent": 1.0, "cluster": int(config["cluster"])})})
-        return self._train(message, int(config["cluster"]))
-
-    def _score(self, record: ArrayRecord) -> int:
-        vector = self.layout.flatten(record)
-        return int(np.argmax(vector[:3]) == TRUTH[self.partition])
-
-    def _train(self, message: Message, cluster: int) -> Message:
-        records = message.content.array_records
-        selected = cluster == SELECT
-        if selected:
-            scores = [self.layout.flatten(records[cluster_key(m)])[TRUTH[self.partition]]
-                      for m in range(sum(k.startswith("cluster-") for k in records))]
-            cluster = int(np.argmax(scores))
-        update = np.zeros(self.layout.size, dtype=np.float32)
-        if cluster == INITIAL:
-            update = self.centres[TRUTH[self.partition]] + self.rng.normal(
-                0, 0.01, self.layout.size).astype(np.float32)
-        else:
-            update[TRUTH[self.partition]] = 1.0
-        return self._reply(message, {
-            UPDATE: ArrayRecord({k: v for k, v in
-                                 zip(self.layout.names, self._arrays(update), strict=True)}),
-            METRICS: MetricRecord({"cluster": cluster, "selected": int(selected),
-                                   "num-examples": 100, "val-loss": 1.0, "val-accuracy": 0.5,
-                                   "epsilon-spent": 1.0, "noise-multiplier": 1.2})})
-
-    def _arrays(self, vector: np.ndarray):
-        from flwr.app import Array
-        return [Array(v) for v in self.layout.unflatten(vector).values()]
-
-    @staticmethod
-    def _reply(message: Message, records: dict) -> Message:
-        return Message(RecordDict(records), reply_to=message)
+from .scripted_silos import NODE, TRUTH, ScriptedSilo
 
 
 @pytest.fixture()

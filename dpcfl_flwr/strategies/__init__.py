@@ -8,9 +8,18 @@ from flwr.app import ArrayRecord
 
 from ..config import ExperimentConfig
 from .base import ClusteredStrategy, RunObserver
+from .global_fedavg import GlobalDPFedAvg
+from .ifca import DPIFCA
+from .kmeans import KMeansCFL
+from .local import LocalDP
+from .mrmtl import MRMTL
+from .oracle import OracleDPCFL
 from .rdpcfl import RDPCFL
 
-STRATEGIES: dict[str, type[ClusteredStrategy]] = {"rdpcfl": RDPCFL}
+STRATEGIES: dict[str, type[ClusteredStrategy]] = {
+    "rdpcfl": RDPCFL, "global": GlobalDPFedAvg, "local": LocalDP, "ifca": DPIFCA,
+    "mrmtl": MRMTL, "oracle": OracleDPCFL, "km": KMeansCFL,
+}
 
 
 def build_strategy(experiment: ExperimentConfig, initial: ArrayRecord,
@@ -25,4 +34,7 @@ def build_strategy(experiment: ExperimentConfig, initial: ArrayRecord,
     return factory(experiment, initial, observer)
 
 
-__all__ = ["RDPCFL", "STRATEGIES", "ClusteredStrategy", "RunObserver", "build_strategy"]
+__all__ = [
+    "DPIFCA", "MRMTL", "RDPCFL", "STRATEGIES", "ClusteredStrategy", "GlobalDPFedAvg",
+    "KMeansCFL", "LocalDP", "OracleDPCFL", "RunObserver", "build_strategy",
+]

@@ -29,6 +29,7 @@ from ..protocol import (
     BUDGET_EXCEEDED,
     CONFIG,
     METRICS,
+    OWN,
     SELECT,
     SILO,
     UPDATE,
@@ -97,7 +98,7 @@ class RunObserver(Protocol):
 @dataclass
 class TrainReply:
     cluster: int
-    update: np.ndarray
+    update: np.ndarray | None  # None when the silo keeps its model (Local)
     metrics: dict[str, Any]
 
 
@@ -105,6 +106,10 @@ class ClusteredStrategy(Strategy):
     """M cluster models kept by the server; subclasses decide who trains which."""
 
     name = "clustered"
+    #: Silos keep their trained model and send no update (Local).
+    personal = False
+    #: Whether the method learns the cluster structure (reported as found / not found).
+    discovers_clusters = False
 
     def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord, n_clusters: int,
                  observer: RunObserver | None = None) -> None:
@@ -138,7 +143,8 @@ class ClusteredStrategy(Strategy):
     def absorb(self, server_round: int, replies: dict[int, TrainReply]) -> None:
         """Learn from a round's replies; by default average updates per trained cluster."""
         self.models = cluster_means(self.models, {p: (r.cluster, r.update) for p, r in
-                                                  replies.items()}, self._weights(replies))
+                                                  replies.items() if r.update is not None},
+                                    self._weights(replies))
 
     def current_cluster(self, partition: int) -> int:
         """The cluster model silo ``partition`` would use now (what it is evaluated on)."""
@@ -157,7 +163,9 @@ class ClusteredStrategy(Strategy):
     def active_partitions(self) -> list[int]:
         return sorted(p for p, s in self.silos.items() if not s.exhausted)
 
-    def model_record(self, cluster: int) -> ArrayRecord:
+    def model_record(self, cluster: int) -> ArrayRecord | None:
+        if cluster == OWN:
+            return None
         vector = self.initial if cluster == INITIAL else self.models[cluster]
         return arrays_from_vector(vector, self.layout)
 
@@ -167,8 +175,14 @@ class ClusteredStrategy(Strategy):
             "server-round": server_round, "stage": self.stage(server_round), "cluster": cluster,
             "round-batch": str(self.round_batch(server_round)),
             "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
-            **self.schedule().to_config(),
+            "personal": int(self.personal), **self.schedule().to_config(),
         }
+
+    def _record(self, cluster: int) -> ArrayRecord:
+        record = self.model_record(cluster)
+        if record is None:
+            raise ValueError(f"cluster {cluster} has no model to send")
+        return record
 
     # --- Flower Strategy API ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -181,9 +195,9 @@ class ClusteredStrategy(Strategy):
             content = RecordDict({CONFIG: ConfigRecord(self.train_config(server_round, cluster))})
             if cluster == SELECT:
                 for m in range(self.n_clusters):
-                    content[cluster_key(m)] = self.model_record(m)
-            else:
-                content[ARRAYS] = self.model_record(cluster)
+                    content[cluster_key(m)] = self._record(m)
+            elif (record := self.model_record(cluster)) is not None:
+                content[ARRAYS] = record
             for key, record in self.extra_records(server_round, partition).items():
                 content[key] = record
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
@@ -207,9 +221,10 @@ class ClusteredStrategy(Strategy):
         for partition in sorted(self.silos):
             cluster = self.current_cluster(partition)
             content = RecordDict({
-                ARRAYS: self.model_record(cluster),
                 CONFIG: ConfigRecord({"server-round": server_round, "cluster": cluster}),
             })
+            if (record := self.model_record(cluster)) is not None:
+                content[ARRAYS] = record
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="evaluate")
         return messages
@@ -241,7 +256,8 @@ class ClusteredStrategy(Strategy):
                 self._log_error(server_round, silo, message, refused)
                 continue
             metrics = dict(message.content.metric_records[METRICS])
-            update = self.layout.flatten(message.content.array_records[UPDATE])
+            arrays = message.content.array_records
+            update = self.layout.flatten(arrays[UPDATE]) if UPDATE in arrays else None
             good[partition] = TrainReply(integer(metrics, "cluster"), update, metrics)
             silo.epsilon_spent = number(metrics, "epsilon-spent")
             silo.noise_multiplier = number(metrics, "noise-multiplier")
@@ -351,7 +367,8 @@ class ClusteredStrategy(Strategy):
             self._log_round(report)
             if self.observer is not None:
                 self.observer.round_done(self, report)
-        result.arrays = self.model_record(0)
+        if self.models:
+            result.arrays = self._record(0)
         return result
 
     def _log_round(self, report: RoundReport) -> None:

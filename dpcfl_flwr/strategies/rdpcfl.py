@@ -49,6 +49,7 @@ class RDPCFL(ClusteredStrategy):
     """The server side of R-DPCFL; silos do DP-SGD and their own private selection."""
 
     name = "rdpcfl"
+    discovers_clusters = True
 
     def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
                  observer: RunObserver | None = None) -> None:
@@ -122,14 +123,15 @@ class RDPCFL(ClusteredStrategy):
         super().absorb(server_round, replies)
 
     def _cluster_round_one(self, replies: dict[int, TrainReply]) -> None:
-        partitions = sorted(replies)
+        updates = {p: r.update for p, r in replies.items() if r.update is not None}
+        partitions = sorted(updates)
         if len(partitions) < 3:
             raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
         e = self.experiment
         candidates = range(2, min(e.max_clusters, len(partitions) - 1) + 1)
         fitted = UpdateClusterer(e.n_clusters or None, candidates,
                                  random_state=e.seed).fit(
-            np.stack([replies[p].update for p in partitions]))
+            np.stack([updates[p] for p in partitions]))
         self.n_clusters = fitted.n_clusters_
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
         self.switch = switch_round(fitted.mpo_, e.num_server_rounds)
@@ -138,15 +140,15 @@ class RDPCFL(ClusteredStrategy):
             fitted.n_iter_, fitted.converged_, fitted.labels_.tolist(),
             fitted.responsibilities_.tolist(), fitted.points_.tolist(), fitted.means_.tolist(),
             fitted.radii_.tolist(), fitted.candidate_mss_)
-        self.models = [self._reset_model(replies, partitions) for _ in range(self.n_clusters)]
+        self.models = [self._reset_model(updates, partitions) for _ in range(self.n_clusters)]
         logger.info("round 1 clustering: M=%d, MSS=%.3f, MPO=%.3g, E_c=%d, EM iterations=%d",
                     self.n_clusters, fitted.mss_, fitted.mpo_, self.switch, fitted.n_iter_)
 
-    def _reset_model(self, replies: dict[int, TrainReply], partitions: list[int]) -> np.ndarray:
+    def _reset_model(self, updates: dict[int, np.ndarray], partitions: list[int]) -> np.ndarray:
         """theta_init for every cluster ([001] Alg. 1 line 13), or the authors' code: the
         round-1 model of the first client (spec §9 item 9)."""
         if self.experiment.cluster_init == "client0":
-            return (self.initial + replies[partitions[0]].update).astype(np.float32)
+            return (self.initial + updates[partitions[0]]).astype(np.float32)
         return self.initial.copy()
 
     def results(self) -> dict[str, Any]:

@@ -1,0 +1,242 @@
+"""``dpcfl compare``: a grid of full simulations (methods x epsilons x seeds) and its tables.
+
+Every run is its own ``dpcfl simulate`` process with its own results directory
+``<out>/<method>/eps<eps>/seed<seed>/``, so an interrupted grid resumes where it stopped: a run
+with a complete ``results.json`` is kept, anything else is cleared and run again (its silos'
+ledgers must start empty, or they would rightly refuse to train a second time).
+
+The config file is a TOML table of run-config keys, plus optional ``[method.<name>]`` tables
+of per-method overrides (the paper tunes learning rate and batch size per method, spec §6.4).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import METHODS, ConfigError, parse_run_config
+from .simulation import _toml_value
+
+#: Methods whose results say whether they recovered the cluster structure.
+CLUSTERING_METHODS = ("rdpcfl", "ifca", "km")
+
+
+@dataclass(frozen=True)
+class GridRun:
+    method: str
+    epsilon: float
+    seed: int
+    directory: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} eps={self.epsilon:g} seed={self.seed}"
+
+    def results(self) -> dict[str, Any] | None:
+        """The run's results when it finished, else None."""
+        path = self.directory / "results.json"
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return results if results.get("complete") else None
+
+
+def load_grid_config(path: str | Path | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Base run-config keys and per-method overrides from a compare config file."""
+    if path is None:
+        return {}, {}
+    with open(path, "rb") as handle:
+        data = tomllib.load(handle)
+    per_method = data.pop("method", {})
+    unknown = sorted(set(per_method) - set(METHODS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown method table(s) {unknown} (methods: {METHODS})")
+    return data, per_method
+
+
+def plan_grid(methods: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
+              out: Path) -> list[GridRun]:
+    for method in methods:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return [GridRun(m, float(e), int(s), out / m / f"eps{float(e):g}" / f"seed{int(s)}")
+            for e in epsilons for s in seeds for m in methods]
+
+
+def run_config(run: GridRun, base: dict[str, Any], per_method: dict[str, dict[str, Any]]
+               ) -> dict[str, Any]:
+    """The validated run config of one grid cell (raises ConfigError on bad keys)."""
+    raw = {**base, **per_method.get(run.method, {}), "method": run.method,
+           "epsilon": run.epsilon, "seed": run.seed, "out-dir": str(run.directory.resolve())}
+    return parse_run_config(raw).to_run_config()
+
+
+def execute(run: GridRun, config: dict[str, Any], cpus: int) -> None:
+    """Run one cell as its own ``dpcfl simulate`` process (clean Ray, clean ledgers)."""
+    if run.directory.exists():
+        shutil.rmtree(run.directory)
+    run.directory.mkdir(parents=True)
+    config_file = run.directory.parent / f"seed{run.seed}.toml"
+    config_file.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in config.items()))
+    command = [sys.executable, "-m", "dpcfl_flwr.cli", "simulate", "--config", str(config_file),
+               "--quiet", "--overwrite"]
+    if cpus:
+        command += ["--cpus", str(cpus)]
+    log = (run.directory.parent / f"seed{run.seed}.log").open("w")
+    with log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if completed.returncode != 0 or run.results() is None:
+        raise RuntimeError(f"{run.label} failed (exit {completed.returncode}); see {log.name}")
+
+
+def run_grid(runs: Iterable[GridRun], base: dict[str, Any],
+             per_method: dict[str, dict[str, Any]], cpus: int = 0,
+             report: Callable[[str], None] = print) -> list[GridRun]:
+    """Run every unfinished cell; returns the cells that failed."""
+    runs = list(runs)
+    configs = {run: run_config(run, base, per_method) for run in runs}  # validate all first
+    failed = []
+    for index, run in enumerate(runs, 1):
+        if run.results() is not None:
+            report(f"[{index}/{len(runs)}] {run.label}: done earlier, kept")
+            continue
+        started = time.monotonic()
+        report(f"[{index}/{len(runs)}] {run.label}: running ...")
+        try:
+            execute(run, configs[run], cpus)
+        except RuntimeError as exc:
+            report(f"[{index}/{len(runs)}] {exc}")
+            failed.append(run)
+            continue
+        summary = run.results()["summary"]  # type: ignore[index]
+        report(f"[{index}/{len(runs)}] {run.label}: {time.monotonic() - started:.0f} s, "
+               f"accuracy {100 * summary['mean_accuracy']:.1f}%, minority "
+               f"{100 * summary['minority_accuracy']:.1f}%")
+    return failed
+
+
+# --- tables -------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    """One (method, epsilon) over its seeds."""
+
+    method: str
+    epsilon: float
+    accuracy: list[float]
+    minority: list[float]
+    found_structure: int | None
+    minority_isolated: int | None
+    seeds: int
+
+
+def collect(runs: Iterable[GridRun]) -> list[Cell]:
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for run in runs:
+        finished = run.results()
+        if finished is not None:
+            groups.setdefault((run.method, run.epsilon), []).append(finished)
+    cells = []
+    for (method, epsilon), results in groups.items():
+        summaries = [r["summary"] for r in results]
+        clustered = method in CLUSTERING_METHODS
+        cells.append(Cell(
+            method, epsilon, [s["mean_accuracy"] for s in summaries],
+            [s["minority_accuracy"] for s in summaries],
+            sum(bool(r["clustering"].get("found_structure")) for r in results)
+            if clustered else None,
+            sum(bool(r["clustering"].get("minority_isolated")) for r in results)
+            if clustered else None,
+            len(results)))
+    return cells
+
+
+def _pm(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{100 * np.mean(values):.1f} ± {100 * np.std(values):.1f}"
+
+
+def markdown(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float]) -> str:
+    """The paper's form: accuracy (all / minority clients) per method and eps, and detections."""
+    by = {(c.method, c.epsilon): c for c in cells}
+    header = "| method | " + " | ".join(f"eps={e:g}" for e in epsilons) + " |"
+    rule = "|---|" + "---|" * len(epsilons)
+    parts = []
+    for title, field in (("Mean test accuracy over all clients (%)", "accuracy"),
+                         ("Mean test accuracy over the minority clients (%)", "minority")):
+        rows = [f"| {m} | " + " | ".join(
+            _pm(getattr(by[(m, e)], field)) if (m, e) in by else "-" for e in epsilons) + " |"
+            for m in methods]
+        parts.append(f"**{title}** (mean ± std over seeds)\n\n{header}\n{rule}\n" +
+                     "\n".join(rows))
+    detecting = [m for m in methods if m in CLUSTERING_METHODS]
+    if detecting:
+        rows = [f"| {m} | " + " | ".join(
+            f"{by[(m, e)].found_structure}/{by[(m, e)].seeds} · "
+            f"{by[(m, e)].minority_isolated}/{by[(m, e)].seeds}"
+            if (m, e) in by else "-" for e in epsilons) + " |" for m in detecting]
+        parts.append("**Seeds that found the full cluster structure · that isolated the "
+                     f"minority cluster**\n\n{header}\n{rule}\n" + "\n".join(rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_reports(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float],
+                  out: Path) -> str:
+    table = markdown(cells, methods, epsilons)
+    (out / "summary.md").write_text(table)
+    with (out / "summary.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["method", "epsilon", "seeds", "accuracy_mean", "accuracy_std",
+                         "minority_mean", "minority_std", "found_structure",
+                         "minority_isolated"])
+        for c in sorted(cells, key=lambda c: (c.method, c.epsilon)):
+            writer.writerow([c.method, c.epsilon, c.seeds, np.mean(c.accuracy),
+                             np.std(c.accuracy), np.mean(c.minority), np.std(c.minority),
+                             "" if c.found_structure is None else c.found_structure,
+                             "" if c.minority_isolated is None else c.minority_isolated])
+    _plot(cells, methods, epsilons, out / "comparison.png")
+    return table
+
+
+def _plot(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float],
+          path: Path) -> None:
+    from .report import plt, save_figure
+
+    by = {(c.method, c.epsilon): c for c in cells}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, field, title in ((axes[0], "accuracy", "all clients"),
+                             (axes[1], "minority", "minority clients")):
+        for method in methods:
+            xs = [e for e in epsilons if (method, e) in by]
+            means = [100 * np.mean(getattr(by[(method, e)], field)) for e in xs]
+            stds = [100 * np.std(getattr(by[(method, e)], field)) for e in xs]
+            ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=method)
+        ax.set_xlabel("epsilon (per client)")
+        ax.set_title(f"mean test accuracy: {title}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[1].legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def parse_numbers(text: str, kind: Callable[[str], Any]) -> list[Any]:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"cannot read the list {text!r}") from None
+    if not values or any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        raise ConfigError(f"cannot read the list {text!r}")
+    return values

@@ -1,0 +1,31 @@
+"""O-DPCFL (spec §5 item 5): clustered DP-FL that is told the true clusters.
+
+Only for evaluation: the true-cluster labels come from the silos' query replies (the topology
+in simulation, the silo file in deployment). Same aggregation as R-DPCFL, single-stage
+schedule at eps_total, no selection. Unlike the authors' code, round 1 is trained too.
+"""
+
+from __future__ import annotations
+
+from flwr.app import ArrayRecord
+
+from ..config import ExperimentConfig
+from .base import ClusteredStrategy, RunObserver
+
+
+class OracleDPCFL(ClusteredStrategy):
+    name = "oracle"
+
+    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
+                 observer: RunObserver | None = None) -> None:
+        super().__init__(experiment, initial, experiment.topology.num_clusters, observer)
+
+    def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
+        return {p: self.current_cluster(p) for p in partitions}
+
+    def current_cluster(self, partition: int) -> int:
+        cluster = self.silos[partition].true_cluster
+        if not 0 <= cluster < self.n_clusters:
+            raise ValueError(f"silo {partition} reports true cluster {cluster}, outside "
+                             f"0..{self.n_clusters - 1}: the oracle needs every silo's label")
+        return cluster

@@ -1,0 +1,26 @@
+"""Every shipped example config is a valid run config (for every method it names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpcfl_flwr.compare import load_grid_config
+from dpcfl_flwr.config import METHODS, parse_run_config
+
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_config_is_valid_for_every_method(path):
+    base, per_method = load_grid_config(path)
+    for method in METHODS:
+        config = {**base, **per_method.get(method, {}), "method": method}
+        parse_run_config(config)
+
+
+def test_the_four_paper_settings_exist_at_both_scales():
+    names = {p.name for p in EXAMPLES}
+    for setting in ("mnist", "fmnist", "cifar10-rotation", "cifar10-labelflip"):
+        assert {f"{setting}-cpu.toml", f"{setting}-paper.toml"} <= names

@@ -1,0 +1,169 @@
+"""The baselines' message flows with scripted silos: who gets which model, what is charged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.models import build_model
+from dpcfl_flwr.protocol import ANCHOR, ARRAYS, OWN, SELECT, ModelLayout, cluster_key
+from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.strategies import build_strategy
+from dpcfl_flwr.strategies.base import INITIAL
+from dpcfl_flwr.training import DPSGDConfig, train_dp
+
+from .grid_double import GridDouble
+from .scripted_silos import NODE, TRUTH, ScriptedSilo
+
+ROUNDS = 6
+
+
+def _run(method: str, **extra):
+    experiment = parse_run_config({
+        "method": method, "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": ROUNDS,
+        "select-window": 0.34, "eval-every": 3, "out-dir": "unused", **extra})
+    initial = initial_arrays(experiment)
+    strategy = build_strategy(experiment, initial)
+    layout = ModelLayout.of(initial)
+    centres = np.random.default_rng(0).normal(0, 1, (3, layout.size)).astype(np.float32)
+    silos = {NODE + p: ScriptedSilo(p, layout, centres) for p in range(len(TRUTH))}
+    grid = GridDouble(silos)
+    strategy.discover(grid, expected=len(TRUTH), wait=1)
+    strategy.start(grid, initial, ROUNDS, timeout=10)
+    return strategy, grid, layout
+
+
+def _configs(grid: GridDouble, server_round: int) -> dict[int, dict]:
+    return {m.metadata.dst_node_id - NODE: dict(m.content.config_records["config"])
+            for m in grid.of_type("train")
+            if int(m.content.config_records["config"]["server-round"]) == server_round}
+
+
+def _messages(grid: GridDouble, server_round: int):
+    return {m.metadata.dst_node_id - NODE: m for m in grid.of_type("train")
+            if int(m.content.config_records["config"]["server-round"]) == server_round}
+
+
+@pytest.mark.parametrize("method", ["global", "local", "mrmtl", "oracle", "km"])
+def test_single_stage_baselines_charge_no_selection_and_the_same_batch_every_round(
+        server_task_identity, method):
+    _, grid, _ = _run(method)
+    for server_round in range(1, ROUNDS + 1):
+        for config in _configs(grid, server_round).values():
+            # The schedule every silo calibrates z for: b in all E rounds, no selections.
+            assert (config["first-batch"], config["batch-size"], config["round-batch"]) == (
+                "32", 32, "32")
+            assert config["select-rounds"] == 0 and config["rounds"] == ROUNDS
+            assert int(config["cluster"]) != SELECT
+
+
+def test_global_sends_everyone_the_one_model(server_task_identity):
+    strategy, grid, layout = _run("global")
+    for server_round in range(1, ROUNDS + 1):
+        messages = _messages(grid, server_round)
+        vectors = [layout.flatten(m.content.array_records[ARRAYS]) for m in messages.values()]
+        assert all(np.array_equal(v, vectors[0]) for v in vectors)
+    # Every silo pushes +1 on its own true-cluster coordinate: the mean over 8 silos.
+    expected = np.bincount(TRUTH, minlength=3) / len(TRUTH) * ROUNDS
+    np.testing.assert_allclose(strategy.models[0][:3] - strategy.initial[:3], expected,
+                               rtol=1e-5)
+
+
+def test_oracle_trains_each_true_cluster_separately(server_task_identity):
+    strategy, grid, _ = _run("oracle")
+    for server_round in range(1, ROUNDS + 1):
+        for partition, config in _configs(grid, server_round).items():
+            assert int(config["cluster"]) == TRUTH[partition]
+    for cluster in range(3):
+        np.testing.assert_allclose(
+            strategy.models[cluster][cluster] - strategy.initial[cluster], ROUNDS, rtol=1e-5)
+
+
+def test_local_sends_theta_init_once_then_nothing_and_gets_no_updates(server_task_identity):
+    strategy, grid, _ = _run("local")
+    first = _messages(grid, 1)
+    assert all(ARRAYS in m.content.array_records for m in first.values())
+    assert all(int(m.content.config_records["config"]["cluster"]) == INITIAL
+               for m in first.values())
+    for server_round in range(2, ROUNDS + 1):
+        for message in _messages(grid, server_round).values():
+            assert not message.content.array_records  # no weights leave the server
+            assert int(message.content.config_records["config"]["cluster"]) == OWN
+            assert int(message.content.config_records["config"]["personal"]) == 1
+    assert strategy.models == []  # the server never holds the silos' models
+    assert all(not m.content.array_records for m in grid.of_type("evaluate"))
+
+
+def test_mrmtl_sends_each_silo_its_model_and_the_mean_anchor(server_task_identity):
+    strategy, grid, layout = _run("mrmtl")
+    for server_round in range(1, ROUNDS + 1):
+        messages = _messages(grid, server_round)
+        anchors = [layout.flatten(m.content.array_records[ANCHOR]) for m in messages.values()]
+        assert all(np.array_equal(a, anchors[0]) for a in anchors)
+        for partition, message in messages.items():
+            assert int(message.content.config_records["config"]["cluster"]) == partition
+            assert message.content.config_records["config"]["prox-lambda"] == 1.0
+    # Silo p's model moved +1 per round on its coordinate; the anchor is their mean.
+    np.testing.assert_allclose(strategy.anchor()[:3] - strategy.initial[:3],
+                               np.bincount(TRUTH, minlength=3) / len(TRUTH) * ROUNDS, rtol=1e-5)
+
+
+def test_ifca_draws_round_one_then_selects_for_t_sel_rounds_and_freezes(server_task_identity):
+    strategy, grid, _ = _run("ifca")
+    t_sel = int(0.34 * ROUNDS)
+    first = _configs(grid, 1)
+    assert {int(c["cluster"]) for c in first.values()} <= {0, 1, 2}
+    stages = [next(iter(_configs(grid, r).values()))["stage"] for r in range(1, ROUNDS + 1)]
+    assert stages == ["random"] + ["select"] * t_sel + ["frozen"] * (ROUNDS - 1 - t_sel)
+    for server_round in range(2, 2 + t_sel):
+        for message in _messages(grid, server_round).values():
+            assert sorted(message.content.array_records) == [cluster_key(m) for m in range(3)]
+            config = message.content.config_records["config"]
+            # IFCA charges T_sel selections and calibrates single-stage noise (spec §5 item 3).
+            assert (config["select-rounds"], config["first-batch"]) == (t_sel, "32")
+    for server_round in range(2 + t_sel, ROUNDS + 1):
+        for partition, config in _configs(grid, server_round).items():
+            assert int(config["cluster"]) == strategy.choice[partition]
+
+
+def test_km_regroups_silos_by_k_means_on_their_updates(server_task_identity):
+    strategy, grid, _ = _run("km")
+    assert all(int(c["cluster"]) == INITIAL for c in _configs(grid, 1).values())
+    labels = strategy.labels
+    for a in range(len(TRUTH)):
+        for b in range(len(TRUTH)):
+            assert (labels[a] == labels[b]) == (TRUTH[a] == TRUTH[b])
+    for server_round in range(2, ROUNDS + 1):  # each round trains the last round's groups
+        sent = {p: int(c["cluster"]) for p, c in _configs(grid, server_round).items()}
+        for a in range(len(TRUTH)):
+            for b in range(len(TRUTH)):
+                assert (sent[a] == sent[b]) == (TRUTH[a] == TRUTH[b])
+
+
+def test_ifca_and_km_need_the_number_of_clusters():
+    for method in ("ifca", "km"):
+        experiment = parse_run_config({"method": method, "n-clusters": 0, "out-dir": "x"})
+        with pytest.raises(ValueError, match="needs the number of clusters"):
+            build_strategy(experiment, initial_arrays(experiment))
+
+
+# --- MR-MTL's regulariser ------------------------------------------------------------------------
+def test_mrmtl_proximal_term_changes_the_update_by_exactly_lambda_times_the_gap():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 1, 28, 28, generator=g), torch.randint(0, 10, (20,), generator=g)
+    start = build_model("cnn", seed=3).state_dict()
+    anchor = {k: v + 0.5 for k, v in start.items()}
+    config = DPSGDConfig(1.0, 1.0, 0.1, "full")
+
+    def update(prox):
+        model = build_model("cnn")
+        model.load_state_dict(start)
+        return train_dp(model, x, y, config, seed=9, prox=prox).update
+
+    plain, regularised = update(None), update((2.0, anchor))
+    # One step: the difference is -lr * lambda * (theta - anchor) = -0.1 * 2 * (-0.5) = +0.1.
+    for key in plain:
+        torch.testing.assert_close(regularised[key] - plain[key],
+                                   torch.full_like(plain[key], 0.1), rtol=1e-4, atol=1e-5)
