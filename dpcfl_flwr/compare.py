@@ -60,7 +60,9 @@ def load_grid_config(path: str | Path | None) -> tuple[dict[str, Any], dict[str,
         return {}, {}
     with open(path, "rb") as handle:
         data = tomllib.load(handle)
-    per_method = data.pop("method", {})
+    # `method = "..."` is a run-config key (overridden per grid cell); `[method.<name>]` tables
+    # hold per-method overrides.
+    per_method = data.pop("method") if isinstance(data.get("method"), dict) else {}
     unknown = sorted(set(per_method) - set(METHODS))
     if unknown:
         raise ConfigError(f"{path}: unknown method table(s) {unknown} (methods: {METHODS})")
