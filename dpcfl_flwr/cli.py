@@ -267,6 +267,19 @@ def _configure_logging(verbose: bool) -> None:
                         force=True)
 
 
+def _register_deployment_commands() -> None:
+    from .deploy import commands
+
+    app.command("certs")(commands.certs)
+    app.command("server")(commands.server)
+    app.command("client")(commands.client)
+    app.command("submit")(commands.submit)
+    app.add_typer(commands.topology_app, name="topology")
+
+
+_register_deployment_commands()
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

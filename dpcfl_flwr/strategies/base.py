@@ -178,6 +178,11 @@ class ClusteredStrategy(Strategy):
             "personal": int(self.personal), **self.schedule().to_config(),
         }
 
+    def _ttl(self) -> float:
+        """A round's messages expire with the round: a silo that restarts must not pick up
+        (and spend budget on) a round the server stopped waiting for."""
+        return self.experiment.round_timeout + 5.0
+
     def _record(self, cluster: int) -> ArrayRecord:
         record = self.model_record(cluster)
         if record is None:
@@ -201,7 +206,7 @@ class ClusteredStrategy(Strategy):
             for key, record in self.extra_records(server_round, partition).items():
                 content[key] = record
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
-                                          message_type="train")
+                                          message_type="train", ttl=self._ttl())
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -226,7 +231,7 @@ class ClusteredStrategy(Strategy):
             if (record := self.model_record(cluster)) is not None:
                 content[ARRAYS] = record
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
-                                          message_type="evaluate")
+                                          message_type="evaluate", ttl=self._ttl())
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]

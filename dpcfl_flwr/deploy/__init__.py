@@ -1,0 +1,1 @@
+"""Deployment on real silos: certificates, SuperLink / SuperNode launchers, compose topology."""

@@ -1,0 +1,137 @@
+"""TLS material for a deployment: a CA, the SuperLink's certificate, the silos' node keys.
+
+- ``ca.crt`` / ``ca.key``: a self-signed certificate authority (keep ``ca.key`` offline).
+- ``server.pem`` / ``server.key``: the SuperLink's certificate, signed by the CA, valid for every
+  name and address the silos dial (subject alternative names). Silos check it against ``ca.crt``.
+- ``nodes/<name>`` / ``nodes/<name>.pub``: one EC key pair per silo in OpenSSH format, what
+  Flower's node authentication expects. The SuperLink admits only registered public keys.
+
+Private keys are written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS = 825  # the longest validity common TLS clients accept for leaf certificates
+
+
+@dataclass(frozen=True)
+class CertificatePaths:
+    ca_certificate: Path
+    ca_key: Path
+    server_certificate: Path
+    server_key: Path
+    nodes: dict[str, tuple[Path, Path]]  # name -> (private key, public key)
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, 0o600 if private else 0o644)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dpcfl-flwr"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(entries: Sequence[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for entry in entries:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(entry)))
+        except ValueError:
+            names.append(x509.DNSName(entry))
+    return x509.SubjectAlternativeName(names)
+
+
+def make_ca(common_name: str = "dpcfl-flwr CA") -> tuple[ec.EllipticCurvePrivateKey,
+                                                         x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP384R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(_name(common_name))
+            .issuer_name(_name(common_name)).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                         False), critical=True)
+            .sign(key, hashes.SHA384()))
+    return key, cert
+
+
+def make_server_certificate(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
+                            names: Sequence[str]) -> tuple[ec.EllipticCurvePrivateKey,
+                                                           x509.Certificate]:
+    """A SuperLink certificate valid for ``names`` (DNS names and/or IP addresses)."""
+    if not names:
+        raise ValueError("the server certificate needs at least one name or address (--san)")
+    key = ec.generate_private_key(ec.SECP384R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(_name(names[0]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+            .add_extension(_san(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA384()))
+    return key, cert
+
+
+def make_node_keys(directory: Path, name: str) -> tuple[Path, Path]:
+    """An EC key pair for Flower node authentication (OpenSSH format, NIST P-384)."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH)
+    private_path, public_path = directory / name, directory / f"{name}.pub"
+    _write(private_path, private, private=True)
+    _write(public_path, public + f" {name}\n".encode(), private=False)
+    return private_path, public_path
+
+
+def make_certificates(out: Path, server_names: Sequence[str], node_names: Sequence[str],
+                      overwrite: bool = False) -> CertificatePaths:
+    """Write a CA, a SuperLink certificate and node key pairs under ``out``."""
+    paths = CertificatePaths(out / "ca.crt", out / "ca.key", out / "server.pem",
+                             out / "server.key",
+                             {n: (out / "nodes" / n, out / "nodes" / f"{n}.pub")
+                              for n in node_names})
+    if paths.ca_certificate.exists() and not overwrite:
+        raise FileExistsError(f"{paths.ca_certificate} exists; pass --overwrite to replace the "
+                              "CA (every silo then needs the new ca.crt)")
+    ca_key, ca_cert = make_ca()
+    server_key, server_cert = make_server_certificate(ca_key, ca_cert, server_names)
+    _write(paths.ca_certificate, ca_cert.public_bytes(serialization.Encoding.PEM), False)
+    _write(paths.ca_key, _pem_key(ca_key), True)
+    _write(paths.server_certificate, server_cert.public_bytes(serialization.Encoding.PEM),
+           False)
+    _write(paths.server_key, _pem_key(server_key), True)
+    for name in node_names:
+        make_node_keys(out / "nodes", name)
+    return paths

@@ -1,0 +1,355 @@
+"""``dpcfl certs``, ``dpcfl server``, ``dpcfl client`` and ``dpcfl topology``: real silos.
+
+Each command checks everything it can before it starts anything, prints what it will do, and
+then hands over to Flower's own ``flower-superlink`` / ``flower-supernode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..config import ConfigError
+from ..data import Topology
+from ..simulation import _toml_value
+from .certs import make_certificates
+from .compose import ComposeOptions, compose_yaml, silo_files
+from .silo_file import (
+    check_silo,
+    flower_tool,
+    load_silo_file,
+    supernode_command,
+    use_this_environment,
+)
+from .superlink import (
+    ServerSettings,
+    check_server,
+    register_keys,
+    superlink_command,
+    wait_until_listening,
+    write_connection,
+)
+
+console = Console()
+errors = Console(stderr=True, soft_wrap=True)
+topology_app = typer.Typer(help="Deployment topologies.", no_args_is_help=True)
+
+
+def _stop(problems: list[str]) -> None:
+    for problem in problems:
+        errors.print(f"[bold red]error:[/] {problem}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def certs(
+    out: Path = typer.Option(Path("certs"), "--out", help="Directory for the files."),
+    san: list[str] = typer.Option(None, "--san", help="Name or IP the silos dial (repeat)."),
+    nodes: int = typer.Option(0, "--nodes", min=0, help="Node key pairs silo-00 .. silo-NN."),
+    node_name: list[str] = typer.Option(None, "--node-name", help="Named node key pairs."),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+    keep: bool = typer.Option(False, "--keep", help="Succeed without change if a CA exists."),
+) -> None:
+    """Make a CA, the SuperLink certificate and the silos' node-authentication keys."""
+    names = list(node_name or []) + [f"silo-{i:02d}" for i in range(nodes)]
+    if keep and (out / "ca.crt").exists():
+        console.print(f"kept the existing certificates in {out}")
+        return
+    try:
+        paths = make_certificates(out, san or ["localhost", "127.0.0.1", "::1"], names,
+                                  overwrite)
+    except (ValueError, FileExistsError) as exc:
+        _stop([str(exc)])
+        return
+    console.print(f"CA: {paths.ca_certificate} (give it to every silo; keep {paths.ca_key} "
+                  f"offline)\nSuperLink: {paths.server_certificate}, {paths.server_key}\n"
+                  f"node keys: {len(names)} in {out / 'nodes'} (the .pub files are "
+                  "registered with `dpcfl server --register`)")
+
+
+def server(
+    certs_dir: Path = typer.Option(None, "--certs", help="From `dpcfl certs`."),
+    insecure: bool = typer.Option(False, "--insecure", help="No TLS (local experiments only)."),
+    no_node_auth: bool = typer.Option(False, "--no-node-auth",
+                                      help="Admit any SuperNode (no key registration)."),
+    fleet: str = typer.Option("0.0.0.0:9092", "--fleet-address", help="gRPC for silos."),
+    api: str = typer.Option("127.0.0.1:8000", "--api-address", help="HTTP for `flwr run`."),
+    state: Path = typer.Option(Path("state"), "--state", help="SuperLink database directory."),
+    connection: str = typer.Option("dpcfl", "--connection", help="Name for `flwr run . NAME`."),
+    register: list[Path] = typer.Option(None, "--register", help="Silo public keys to admit."),
+    ready_file: Path = typer.Option(None, "--ready-file",
+                                    help="Created once keys are registered (health checks)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print, start nothing."),
+) -> None:
+    """Start the SuperLink (TLS and node authentication on unless --insecure)."""
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)
+    settings = ServerSettings(certs_dir, insecure, not (no_node_auth or insecure), fleet, api,
+                              state, connection, register=list(register or []))
+    _stop_if(check_server(settings))
+    command = superlink_command(settings)
+    _print_plan("SuperLink", {
+        "fleet API (silos, gRPC)": fleet, "control API (flwr run)": api,
+        "TLS": "off (insecure)" if insecure else f"on ({certs_dir})",
+        "node authentication": "on" if settings.node_auth else "off",
+        "keys to register": str(len(settings.register)), "state": str(state / "state.db"),
+        "flwr connection": f"{connection} in {settings.flwr_home / 'config.toml'}",
+        "command": " ".join(command)})
+    if dry_run:
+        return
+    state.mkdir(parents=True, exist_ok=True)
+    write_connection(settings)
+    use_this_environment()
+    process = subprocess.Popen(command)
+    _forward_signals(process)
+    if not wait_until_listening(api, timeout=60) or not wait_until_listening(fleet, 60):
+        process.terminate()
+        _stop(["the SuperLink did not start listening within 60 s (see its log above)"])
+    if settings.register:
+        failures = register_keys(settings, settings.register)
+        if failures:
+            process.terminate()
+            _stop([f"could not register {f}" for f in failures])
+        console.print(f"registered {len(settings.register)} silo key(s)")
+    console.print(f"ready: silos connect to {fleet}; run with `flwr run . {connection}`")
+    if ready_file is not None:
+        ready_file.touch()
+    raise typer.Exit(code=process.wait())
+
+
+def submit(
+    superlink: str = typer.Option("127.0.0.1:8000", "--superlink",
+                                  help="The SuperLink's control API host:port."),
+    root_certificates: Path = typer.Option(None, "--root-certificates", exists=True),
+    insecure: bool = typer.Option(False, "--insecure"),
+    app_dir: Path = typer.Option(Path("."), "--app", help="The Flower app to run."),
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False),
+    overrides: list[str] = typer.Option(None, "--set", help="Run-config key=value."),
+    stream: bool = typer.Option(True, "--stream/--no-stream"),
+) -> None:
+    """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
+    from ..simulation import load_config, parse_override
+
+    if not insecure and root_certificates is None:
+        _stop(["TLS needs --root-certificates (or --insecure for local experiments)"])
+    try:
+        experiment = load_config(config, dict(parse_override(o) for o in overrides or []))
+    except (ValueError, OSError) as exc:
+        _stop([str(exc)])
+        return
+    settings = ServerSettings(insecure=insecure, api_address=superlink,
+                              connection="dpcfl-submit")
+    settings.certs = None if root_certificates is None else root_certificates.parent
+    home = write_connection(settings, root_certificates).parent
+    run_config = home / "dpcfl-run-config.toml"
+    run_config.write_text("".join(f"{k} = {_toml_value(v)}\n"
+                                  for k, v in experiment.to_run_config().items()))
+    command = [flower_tool("flwr") or "flwr", "run", str(app_dir), "dpcfl-submit",
+               "--run-config", str(run_config)]
+    if stream:
+        command.append("--stream")
+    console.print(f"submitting {experiment.method} (E={experiment.num_server_rounds}, "
+                  f"{experiment.expected_clients} silos) to {superlink}")
+    os.environ.setdefault("FLWR_HOME", str(home))
+    use_this_environment()
+    os.execvp(command[0], command)
+
+
+def client(
+    silo_file: Path = typer.Argument(None, exists=True, dir_okay=False,
+                                     help="clients/<name>.toml (flags override it)."),
+    name: str = typer.Option(None, "--name"),
+    superlink: str = typer.Option(None, "--superlink", help="The SuperLink's host:port."),
+    root_certificates: Path = typer.Option(None, "--root-certificates"),
+    auth_private_key: Path = typer.Option(None, "--auth-private-key"),
+    insecure: bool = typer.Option(None, "--insecure/--tls", help="Default: TLS."),
+    runtime_port: int = typer.Option(None, "--runtime-port"),
+    partition_id: int = typer.Option(None, "--partition-id"),
+    epsilon: float = typer.Option(None, "--epsilon"),
+    delta: float = typer.Option(None, "--delta"),
+    ledger_path: Path = typer.Option(None, "--ledger-path"),
+    data_dir: Path = typer.Option(None, "--data-dir"),
+    true_cluster: int = typer.Option(None, "--true-cluster"),
+    threads: int = typer.Option(None, "--threads"),
+    device: str = typer.Option(None, "--device"),
+    rejoin_wait: float = typer.Option(
+        180.0, "--rejoin-wait", min=0.0,
+        help="Seconds to keep retrying when the SuperLink refuses activation (after a crash it "
+             "holds the old session until its heartbeat expires, ~60 s); 0: give up at once."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print, start nothing."),
+) -> None:
+    """Launch one silo: a flower-supernode that trains with this silo's own budget."""
+    def absolute(path: Path | None) -> str | None:  # flags are relative to the working dir
+        return str(path.expanduser().resolve()) if path else None
+
+    overrides = {"name": name, "superlink": superlink, "insecure": insecure,
+                 "root-certificates": absolute(root_certificates),
+                 "auth-private-key": absolute(auth_private_key), "runtime-port": runtime_port}
+    node = {k: v for k, v in {
+        "partition-id": partition_id, "epsilon": epsilon, "delta": delta,
+        "ledger-path": absolute(ledger_path), "data-dir": absolute(data_dir),
+        "true-cluster": true_cluster,
+        "threads": threads, "device": device}.items() if v is not None}
+    try:
+        silo, node_config = load_silo_file(silo_file, overrides, node)
+    except ConfigError as exc:
+        _stop([str(exc)])
+        return
+    if not node_config.ledger_path:
+        default = Path.home() / ".dpcfl" / "ledgers" / f"{silo.name}.json"
+        silo, node_config = load_silo_file(silo_file, overrides,
+                                           {**node, "ledger-path": str(default)})
+    _stop_if(check_silo(silo, node_config))
+    command = supernode_command(silo, node_config)
+    budget = (f"eps={node_config.epsilon}, delta={node_config.delta}"
+              if node_config.epsilon else "from the run config")
+    _print_plan(f"silo {silo.name}", {
+        "SuperLink (gRPC)": silo.superlink,
+        "TLS": "off (insecure)" if silo.insecure else f"on, CA {silo.root_certificates}",
+        "node authentication": silo.auth_private_key or "off",
+        "partition": str(node_config.partition_id), "budget": budget,
+        "ledger": node_config.ledger_path, "device / threads":
+            f"{node_config.device} / {node_config.threads or 'run config'}",
+        "command": " ".join(command)})
+    if dry_run:
+        return
+    sys.stdout.flush()
+    use_this_environment()
+    raise typer.Exit(code=_supervise(command, rejoin_wait))
+
+
+# What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
+# every error, so the message is what tells this case apart).
+_ACTIVATION_REFUSED = "Failed to activate SuperNode"
+
+
+def _supervise(command: list[str], rejoin_wait: float) -> int:
+    """Run the SuperNode, passing its output through; retry activation refusals for
+    ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
+    session expire). TLS failures and every other error end the silo at once."""
+    deadline = time.monotonic() + rejoin_wait
+    while True:
+        code, refused, stopped = _run_supernode(command)
+        if code == 0 or not refused or stopped or time.monotonic() >= deadline:
+            return code
+        console.print("the SuperLink refused this silo's activation (its previous session may "
+                      "still be open, or its key is not registered); retrying in 5 s")
+        time.sleep(5)
+
+
+def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
+    """One SuperNode life: (exit code, activation refused, stopped by a signal).
+
+    The SuperNode runs in its own process group, dies with this supervisor (parent-death
+    signal), and whatever it leaves behind (its SuperExec) is killed when it exits: a stray
+    helper would keep the output pipe open and hold this silo's runtime port.
+    """
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1, start_new_session=True,
+                               preexec_fn=_die_with_parent)
+    refused = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if _ACTIVATION_REFUSED in line:
+                refused.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    stopped = _forward_signals(process, group=True)
+    code = process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    reader.join(timeout=5)
+    return code, refused.is_set(), stopped()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the supervisor dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@topology_app.command("compose")
+def topology_compose(
+    clusters: str = typer.Option("3,6,6,6", "--clusters"),
+    laptop_clusters: str = typer.Option("1,2,2,2", "--laptop-clusters"),
+    out: Path = typer.Option(None, "--out", help="Write here instead of printing."),
+) -> None:
+    """Generate compose.yaml for a topology (default profile, `gpu` and `laptop` profiles)."""
+    try:
+        text = compose_yaml(ComposeOptions(Topology.parse(clusters),
+                                           Topology.parse(laptop_clusters)))
+    except ValueError as exc:
+        _stop([str(exc)])
+        return
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+        console.print(f"wrote {out}")
+
+
+@topology_app.command("silos")
+def topology_silos(
+    clusters: str = typer.Option("3,6,6,6", "--clusters"),
+    out: Path = typer.Option(Path("clients"), "--out"),
+    superlink: str = typer.Option("127.0.0.1:9092", "--superlink"),
+    epsilon: float = typer.Option(10.0, "--epsilon"),
+    runtime_port_base: int = typer.Option(9100, "--runtime-port-base",
+                                          help="Silo i uses runtime port base + i."),
+) -> None:
+    """Write one silo file per client of a topology (clients/silo-NN.toml)."""
+    try:
+        files = silo_files(Topology.parse(clusters), superlink, epsilon, runtime_port_base)
+    except ValueError as exc:
+        _stop([str(exc)])
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / f"{name}.toml").write_text(text)
+    console.print(f"wrote {len(files)} silo files to {out}")
+
+
+def _stop_if(problems: list[str]) -> None:
+    if problems:
+        _stop(problems)
+
+
+def _print_plan(title: str, rows: dict[str, str]) -> None:
+    table = Table(title=title, show_header=False)
+    for key, value in rows.items():
+        table.add_row(key, value)
+    console.print(table)
+
+
+def _forward_signals(process: subprocess.Popen, group: bool = False) -> Callable[[], bool]:
+    """Pass SIGINT/SIGTERM on to ``process`` (its whole group with ``group``); the returned
+    function says whether one arrived."""
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    return lambda: bool(received)

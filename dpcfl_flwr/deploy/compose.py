@@ -1,0 +1,210 @@
+"""``compose.yaml`` and the silo files, generated from a topology (so they cannot drift).
+
+Services (one image for all of them, ``docker/Dockerfile``):
+- ``certs``: makes the CA, the SuperLink certificate (name ``superlink``) and one node key per
+  silo into the ``certs`` volume, once (later starts keep them);
+- ``superlink``: ``dpcfl server`` with TLS and node authentication, registers every silo key;
+  its ServerApp processes write the results to ``./results``;
+- ``silo-NN``: ``dpcfl client`` per silo of the topology, each with its own silo file, node key
+  and ledger volume (its budget survives container restarts);
+- ``serverapp``: submits the run (``dpcfl submit`` = ``flwr run``) once the silos are up.
+
+Profiles: ``cpu`` (the default, set in ``.env``), ``gpu`` (each silo its own GPU, ``cuda``
+torch build), ``laptop`` (a smaller topology).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..data import Topology
+
+IMAGE = "dpcfl-flwr:0.1.0"
+GPU_IMAGE = "dpcfl-flwr:0.1.0-cuda"
+FLEET_PORT = 9092
+API_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ComposeOptions:
+    topology: Topology
+    laptop: Topology
+    gpus: int = 4
+    epsilon: float = 10.0
+
+
+def silo_name(index: int) -> str:
+    return f"silo-{index:02d}"
+
+
+def silo_file_text(topology: Topology, index: int, superlink: str, epsilon: float,
+                   runtime_port: int) -> str:
+    name, cluster = silo_name(index), topology.cluster_of(index)
+    role = "minority" if cluster == topology.minority_cluster() else "majority"
+    return f'''# {name}: client {index} of topology {{{topology}}}, true cluster {cluster} ({role}).
+# Launch with `dpcfl client clients/{name}.toml` (paths are relative to this file).
+name = "{name}"
+superlink = "{superlink}"
+root-certificates = "../certs/ca.crt"
+auth-private-key = "../certs/nodes/{name}"
+insecure = false
+runtime-port = {runtime_port}
+
+[node]
+partition-id = {index}
+num-partitions = {topology.num_clients}
+true-cluster = {cluster}
+epsilon = {epsilon!r}
+delta = 1e-4
+ledger-path = "../ledgers/{name}.json"
+threads = 1
+device = "cpu"
+'''
+
+
+def silo_files(topology: Topology, superlink: str = "127.0.0.1:9092",
+               epsilon: float = 10.0, runtime_port_base: int = 9100) -> dict[str, str]:
+    return {silo_name(i): silo_file_text(topology, i, superlink, epsilon,
+                                         runtime_port_base + i)
+            for i in range(topology.num_clients)}
+
+
+def _list(items: list[str], indent: int) -> str:
+    pad = " " * indent
+    # JSON strings are valid YAML double-quoted scalars (quotes inside are escaped).
+    return "\n".join(f"{pad}- {json.dumps(item)}" for item in items)
+
+
+def _silo_service(index: int, profile: str, prefix: str, gpu: int | None) -> str:
+    name = silo_name(index)
+    service = f"{prefix}{name}"
+    command = ["dpcfl", "client", f"/app/clients/{name}.toml", "--superlink",
+               f"superlink:{FLEET_PORT}", "--root-certificates", "/certs/ca.crt",
+               "--auth-private-key", f"/certs/nodes/{name}", "--ledger-path",
+               f"/ledgers/{name}.json", "--runtime-port", "9094"]
+    if gpu is not None:
+        command += ["--device", "cuda:0"]
+    text = f'''  {service}:
+    <<: *{"gpu" if gpu is not None else "app"}
+    profiles: ["{profile}"]
+    command:
+{_list(command, 6)}
+    volumes:
+      - certs:/certs:ro
+      - {service}-ledger:/ledgers
+    depends_on:
+      superlink:
+        condition: service_healthy
+'''
+    if gpu is not None:
+        text += f'''    deploy:
+      resources:
+        reservations:
+          devices:
+            - driver: nvidia
+              device_ids: ["${{{name.upper().replace("-", "_")}_GPU:-{gpu}}}"]
+              capabilities: [gpu]
+'''
+    return text
+
+
+def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> str:
+    command = ["dpcfl", "submit", "--superlink", f"superlink:{API_PORT}",
+               "--root-certificates", "/certs/ca.crt", "--app", "/app",
+               "--config", "/app/examples/quick.toml", "--set", f'clusters="{topology}"',
+               "--set", f"min-clients={topology.num_clients}",
+               "--set", f'out-dir="/results/{prefix or "cpu-"}run"']
+    depends = "\n".join(f"      {s}:\n        condition: service_started" for s in silos)
+    return f'''  {prefix}serverapp:
+    <<: *app
+    profiles: ["{profile}"]
+    command:
+{_list(command, 6)}
+    volumes:
+      - certs:/certs:ro
+    depends_on:
+      superlink:
+        condition: service_healthy
+{depends}
+'''
+
+
+def compose_yaml(options: ComposeOptions) -> str:
+    full, small = options.topology, options.laptop
+    keys = max(full.num_clients, small.num_clients)
+    register = [f"/certs/nodes/{silo_name(i)}.pub" for i in range(keys)]
+    server_command = ["dpcfl", "server", "--certs", "/certs", "--fleet-address",
+                      f"0.0.0.0:{FLEET_PORT}", "--api-address", f"0.0.0.0:{API_PORT}",
+                      "--state", "/state", "--ready-file", "/state/ready"]
+    for key in register:
+        server_command += ["--register", key]
+    parts = [f'''# Generated by
+#   dpcfl topology compose --clusters {full} --laptop-clusters {small} --out compose.yaml
+# Tests check that this file equals the generator's output: regenerate it, do not edit it.
+#   docker compose up                   # profile "cpu" (.env): {full.num_clients} silos {{{full}}}
+#   docker compose --profile gpu up     # each silo on its own GPU
+#   docker compose --profile laptop up  # {small.num_clients} silos {{{small}}}
+# Results appear in ./results; each silo's ledger lives in its own volume.
+# The project name and default profile come from .env (COMPOSE_PROJECT_NAME, COMPOSE_PROFILES).
+
+x-app: &app
+  image: {IMAGE}
+  build:
+    context: .
+    dockerfile: docker/Dockerfile
+  restart: "no"
+  environment:
+    PYTHONUNBUFFERED: "1"
+
+x-gpu: &gpu
+  image: {GPU_IMAGE}
+  build:
+    context: .
+    dockerfile: docker/Dockerfile
+    args:
+      TORCH_INDEX: https://download.pytorch.org/whl/cu126
+  restart: "no"
+  environment:
+    PYTHONUNBUFFERED: "1"
+
+services:
+  certs:
+    <<: *app
+    command:
+{_list(["dpcfl", "certs", "--out", "/certs", "--san", "superlink", "--san", "localhost",
+        "--nodes", str(keys), "--keep"], 6)}
+    volumes:
+      - certs:/certs
+
+  superlink:
+    <<: *app
+    command:
+{_list(server_command, 6)}
+    ports:
+      - "{FLEET_PORT}:{FLEET_PORT}"
+      - "{API_PORT}:{API_PORT}"
+    volumes:
+      - certs:/certs:ro
+      - superlink-state:/state
+      - ./results:/results
+    depends_on:
+      certs:
+        condition: service_completed_successfully
+    healthcheck:
+      test: ["CMD", "test", "-f", "/state/ready"]
+      interval: 2s
+      retries: 90
+''']
+    volumes = ["certs", "superlink-state"]
+    for profile, prefix, topology, gpu in (("cpu", "", full, False), ("gpu", "gpu-", full, True),
+                                           ("laptop", "laptop-", small, False)):
+        names = []
+        for i in range(topology.num_clients):
+            parts.append(_silo_service(i, profile, prefix,
+                                       i % options.gpus if gpu else None))
+            names.append(f"{prefix}{silo_name(i)}")
+            volumes.append(f"{prefix}{silo_name(i)}-ledger")
+        parts.append(_runner(profile, prefix, topology, names))
+    parts.append("volumes:\n" + "\n".join(f"  {v}: {{}}" for v in volumes) + "\n")
+    return "\n".join(parts)

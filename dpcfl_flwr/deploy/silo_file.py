@@ -1,0 +1,218 @@
+"""A silo's deployment file (``clients/<name>.toml``) and the SuperNode command it becomes.
+
+```toml
+name = "silo-00"
+superlink = "superlink.example.org:9092"   # the SuperLink's Fleet API (gRPC)
+root-certificates = "../certs/ca.crt"       # TLS: the CA that signed the SuperLink certificate
+auth-private-key = "../certs/nodes/silo-00" # node authentication (OpenSSH EC key)
+insecure = false                            # true only for local experiments, never by default
+runtime-port = 9100                         # this silo's ClientApp runtime port on its host
+
+[node]                                      # read by the ClientApp (dpcfl_flwr.config.SiloConfig)
+partition-id = 0
+true-cluster = 0                            # evaluation only
+epsilon = 10.0
+delta = 1e-4
+ledger-path = "../ledgers/silo-00.json"
+threads = 1
+device = "cpu"
+```
+
+Relative paths are relative to the file. Everything is checked before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+from pydantic import Field, ValidationError
+
+from ..config import ConfigError, SiloConfig, _Config, _one_line, parse_node_config
+
+PATH_KEYS_NODE = ("ledger-path", "data-dir")
+
+
+def use_this_environment() -> None:
+    """Put this Python's bin directory first on PATH: Flower's SuperLink and SuperNode start
+    their helpers (flwr-serverapp, flower-superexec, flwr-clientapp) by name."""
+    bin_dir = str(Path(sys.executable).parent)
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if parts[:1] != [bin_dir]:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *parts])
+
+
+def flower_tool(name: str) -> str | None:
+    """Flower's command ``name`` from this Python's environment (else from PATH): a silo
+    started as .venv/bin/dpcfl must use the same flwr version without activating the venv."""
+    sibling = Path(sys.executable).parent / name
+    if sibling.is_file():
+        return str(sibling)
+    return shutil.which(name)
+
+
+class SiloFile(_Config):
+    name: str = Field(min_length=1)
+    superlink: str = "127.0.0.1:9092"
+    root_certificates: str = ""
+    auth_private_key: str = ""
+    insecure: bool = False
+    runtime_host: str = "127.0.0.1"
+    runtime_port: int = Field(9094, ge=1, le=65535)
+    max_retries: int = Field(0, ge=0, description="0: keep reconnecting")
+    node: dict[str, Any] = Field(default_factory=dict)
+
+
+def _resolve(base: Path, value: str) -> str:
+    if not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def load_silo_file(path: Path | None, overrides: Mapping[str, Any],
+                   node_overrides: Mapping[str, Any]) -> tuple[SiloFile, SiloConfig]:
+    """Read (optional) file, apply command-line overrides, resolve paths, validate."""
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read the silo file ({exc})") from None
+        base = path.resolve().parent
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    raw["node"] = {**raw.get("node", {}), **node_overrides}
+    for key in ("root-certificates", "auth-private-key"):
+        raw[key] = _resolve(base, str(raw.get(key, "")))
+    for key in PATH_KEYS_NODE:
+        if raw["node"].get(key):
+            raw["node"][key] = _resolve(base, str(raw["node"][key]))
+    try:
+        silo = SiloFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _one_line(exc, f"silo file {path or '(flags)'}", SiloFile) from None
+    return silo, parse_node_config(silo.node)
+
+
+def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
+    """Everything that would stop the silo, as messages for people (empty: ready)."""
+    problems = []
+    if silo.insecure and silo.root_certificates:
+        problems.append("insecure = true and root-certificates are both set: choose one")
+    if not silo.insecure and not silo.root_certificates:
+        problems.append("TLS needs root-certificates (the CA of the SuperLink); pass "
+                        "--insecure only for local experiments")
+    if silo.root_certificates:
+        problems += _check_certificate(Path(silo.root_certificates))
+    if silo.auth_private_key:
+        if silo.insecure:
+            problems.append("node authentication (auth-private-key) requires TLS")
+        problems += _check_node_key(Path(silo.auth_private_key))
+    host, _, port = silo.superlink.rpartition(":")
+    if not host or not port.isdigit():
+        problems.append(f"superlink {silo.superlink!r} is not host:port")
+    if not _port_free(silo.runtime_host, silo.runtime_port):
+        problems.append(f"runtime port {silo.runtime_host}:{silo.runtime_port} is in use "
+                        "(every silo on a host needs its own runtime-port)")
+    if node.ledger_path and not _writable_dir(Path(node.ledger_path).parent):
+        problems.append(f"ledger directory {Path(node.ledger_path).parent} is not writable")
+    if node.data_dir and not Path(node.data_dir).is_dir():
+        problems.append(f"data-dir {node.data_dir} does not exist")
+    if node.device.startswith("cuda"):
+        problems += _check_cuda(node.device)
+    if flower_tool("flower-supernode") is None:
+        problems.append("flower-supernode is not on PATH (install flwr==1.39.0)")
+    return problems
+
+
+def _check_certificate(path: Path) -> list[str]:
+    try:
+        x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as exc:
+        return [f"root-certificates {path}: {exc.strerror or exc}"]
+    except ValueError:
+        return [f"root-certificates {path}: not a PEM certificate"]
+    return []
+
+
+def _check_node_key(path: Path) -> list[str]:
+    try:
+        load_ssh_private_key(path.read_bytes(), None)
+    except OSError as exc:
+        return [f"auth-private-key {path}: {exc.strerror or exc}"]
+    except (ValueError, TypeError):
+        return [f"auth-private-key {path}: not an OpenSSH private key (make one with "
+                "`dpcfl certs`)"]
+    return []
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".dpcfl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def _check_cuda(device: str) -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [f"device {device}: CUDA is not available on this machine"]
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return [f"device {device}: only {torch.cuda.device_count()} GPU(s) here"]
+    return []
+
+
+def node_config_text(node: SiloConfig) -> str:
+    """The ``--node-config`` string: the silo's settings, TOML-valued."""
+    values = node.model_dump(by_alias=True, exclude_defaults=True)
+    values.setdefault("partition-id", node.partition_id)
+    parts = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        text = f'"{value}"' if isinstance(value, str) else (
+            str(value).lower() if isinstance(value, bool) else repr(value))
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
+    """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39)."""
+    command = [flower_tool("flower-supernode") or "flower-supernode", "--superlink",
+               silo.superlink, "--grpc-rere",
+               "--host", silo.runtime_host, "--port", str(silo.runtime_port),
+               "--isolation", "subprocess", "--node-config", node_config_text(node)]
+    if silo.insecure:
+        command.append("--insecure")
+    else:
+        command += ["--root-certificates", silo.root_certificates]
+    if silo.auth_private_key:
+        command += ["--auth-supernode-private-key", silo.auth_private_key]
+    if silo.max_retries:
+        command += ["--max-retries", str(silo.max_retries)]
+    return command
