@@ -8,6 +8,7 @@ carrying :data:`~dpcfl_flwr.protocol.BUDGET_EXCEEDED` and the reason.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -89,6 +90,7 @@ def query(message: Message, context: Context) -> Message:
 @app.train()
 @_guarded
 def train(message: Message, context: Context) -> Message:
+    started = time.perf_counter()
     silo = _open_silo(context)
     config = config_of(message)
     server_round = integer(config, "server-round")
@@ -122,7 +124,8 @@ def train(message: Message, context: Context) -> Message:
     update, metrics = silo.train(start, dp, server_round, prox)
     _close_silo(context, silo)  # charged on disk before anything leaves the silo
     metrics.update({"cluster": cluster, "selected": int(selecting),
-                    "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier})
+                    "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier,
+                    "compute-seconds": time.perf_counter() - started})
     content = RecordDict({METRICS: metric_record(metrics)})
     if "personal" in config and integer(config, "personal") == 1:
         # Local training: the model stays in the silo; only metrics leave it.

@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from opacus import GradSampleModule
 from torch import nn
 from torch.nn.grad import conv2d_weight
 
@@ -48,6 +47,10 @@ class OpacusEngine:
     def __init__(self, model: nn.Module, mode: str = "hooks") -> None:
         if mode not in ("hooks", "functorch"):
             raise ValueError(f"Opacus grad-sample modes are 'hooks' and 'functorch', not {mode!r}")
+        # Imported here: Opacus costs ~1.5 s to import, paid by every ClientApp process of a
+        # deployment (one per message) although the paper's models use the layerwise engine.
+        from opacus import GradSampleModule
+
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum",
                                     force_functorch=(mode == "functorch"))

@@ -20,7 +20,8 @@ One record layout per message kind (Flower records only, no loose dicts):
     without an update) and, after round 1, no weights at all (``cluster`` = -3, own model).
   reply ``update`` (ArrayRecord: trained minus received weights) and ``metrics``
     (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
-    ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``;
+    ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
+    ``compute-seconds`` (time inside the handler, for the framework-overhead benchmark);
   or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
 
 ``evaluate`` (server -> silo)
