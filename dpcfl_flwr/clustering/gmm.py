@@ -20,7 +20,7 @@ from sklearn.mixture import GaussianMixture
 
 # Columns are standardised and multiplied in blocks so that p = 11M parameters never needs
 # more than n x block floats beyond the update matrix itself.
-_COLUMN_BLOCK = 1 << 20
+_COLUMN_BLOCK = 1 << 18
 
 
 def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
@@ -30,7 +30,10 @@ def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
     Computed from n x n Gram matrices, which equals sklearn's StandardScaler + PCA up to the
     sign of each axis (irrelevant downstream: scaling and the GMM are reflection-equivariant).
     """
-    x = np.asarray(updates)
+    # Anything with .shape and 2-D slicing works (a lazy matrix that makes column blocks on
+    # demand, e.g. 210 ResNet updates in bench/), so do not force it into memory here.
+    x = updates if hasattr(updates, "shape") and hasattr(updates, "__getitem__") else (
+        np.asarray(updates))
     n, p = x.shape
     if n < 2 or p < 1:
         raise ValueError(f"need at least 2 updates with >= 1 parameter, got shape {x.shape}")

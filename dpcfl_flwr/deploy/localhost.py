@@ -1,0 +1,100 @@
+"""A whole deployment on one machine: SuperLink and silos as separate local processes.
+
+What an operator would start on several machines (``dpcfl server``, ``dpcfl client``, ``flwr
+run``), started on 127.0.0.1 with TLS and node authentication; used by the deployment tests
+and the gRPC benchmarks, and handy to try a deployment before spreading it over machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DPCFL = [str(Path(sys.executable).parent / "dpcfl")]
+FLWR = str(Path(sys.executable).parent / "flwr")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalDeployment:
+    """A SuperLink and ``silos`` silos of topology ``clusters``, as the README starts them."""
+
+    def __init__(self, root: Path, clusters: str = "2,2") -> None:
+        self.root = root
+        self.clusters = clusters
+        self.silos = sum(int(c) for c in clusters.split(","))
+        self.fleet, self.api = free_port(), free_port()
+        self.env = {**os.environ, "FLWR_HOME": str(root / "flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*DPCFL, *args], cwd=self.root, env=self.env, text=True,
+                              capture_output=True, timeout=timeout, check=True)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = (self.root / f"{name}.log").open("w")
+        process = subprocess.Popen([*DPCFL, *args], cwd=self.root, env=self.env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the silo's whole process group: no goodbye to the SuperLink."""
+        process = self.processes.pop(name)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def up(self) -> None:
+        """Certificates (one spare, unregistered node key), silo files, the SuperLink."""
+        self.run("certs", "--out", "certs", "--san", "127.0.0.1", "--san", "localhost",
+                 "--nodes", str(self.silos + 1))
+        self.run("topology", "silos", "--clusters", self.clusters, "--out", "clients",
+                 "--superlink", f"127.0.0.1:{self.fleet}",
+                 "--runtime-port-base", str(free_port() % 20000 + 30000))
+        keys = [arg for i in range(self.silos) for arg in ("--register",
+                                                           f"certs/nodes/silo-{i:02d}.pub")]
+        self.start("server", "server", "--certs", "certs", "--fleet-address",
+                   f"127.0.0.1:{self.fleet}", "--api-address", f"127.0.0.1:{self.api}",
+                   "--state", "state", "--ready-file", "state/ready", *keys)
+        self.wait_ready()
+
+    def silo(self, index: int, *extra: str) -> subprocess.Popen:
+        return self.start(f"silo-{index:02d}", "client", f"clients/silo-{index:02d}.toml",
+                          *extra)
+
+    def flwr_run(self, out: str, app: Path, **config: object) -> subprocess.Popen:
+        """``flwr run <app> dpcfl`` with run-config values (TOML-formatted) over the defaults."""
+        values = {"clusters": f'"{self.clusters}"', "min-clients": self.silos,
+                  "wait-for-clients": 300.0, "out-dir": f'"{self.root / out}"', **config}
+        path = self.root / f"{out}.toml"
+        path.write_text("".join(f"{k} = {v}\n" for k, v in values.items()))
+        log = (self.root / f"{out}.log").open("w")
+        return subprocess.Popen([FLWR, "run", str(app), "dpcfl", "--run-config", str(path),
+                                 "--stream"], cwd=app, env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def down(self) -> None:
+        for name in list(self.processes):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.processes[name].pid, signal.SIGKILL)
+        self.processes.clear()
+
+    def wait_ready(self, server: str = "server", timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.root / "state" / "ready").exists():
+            if self.processes[server].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the SuperLink did not come up:\n{self.log(server)}")
+            time.sleep(0.5)
