@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import append_results  # noqa: E402
+from bench.common import publish  # noqa: E402
 from dpcfl_flwr.clustering import UpdateClusterer  # noqa: E402
 from dpcfl_flwr.clustering.round_one import round_one_updates  # noqa: E402
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data  # noqa: E402
@@ -98,10 +98,8 @@ def main() -> None:
              + "\n".join(rows))
     body = ("Synthetic round-1 updates, 4 clusters in proportion 3:6:6:6, one thread:\n\n"
             + part1 + "\n\n" + part2)
-    if args.no_append:
-        print(body)
-    else:
-        append_results("Server clustering cost and EM iterations vs round-1 batch", body)
+    publish("Server clustering cost and EM iterations vs round-1 batch", body,
+            append=not args.no_append)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,11 @@ def append_results(title: str, body: str) -> None:
     with RESULTS.open("a") as handle:
         handle.write(section)
     print(section)
+
+
+def publish(title: str, body: str, append: bool) -> None:
+    """Print the figures, and append them to RESULTS.md unless told not to (--no-append)."""
+    if append:
+        append_results(title, body)
+    else:
+        print(body)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import append_results  # noqa: E402
+from bench.common import publish  # noqa: E402
 from dpcfl_flwr.models import build_model  # noqa: E402
 from dpcfl_flwr.training import DPSGDConfig, train_dp  # noqa: E402
 
@@ -137,10 +137,7 @@ def main() -> None:
             rows.append(table(name, label, measure(name, batch, args.repeats)))
     body = (f"Threads per process: {args.threads}. Best of {args.repeats} interleaved repeats; "
             "the same random data for every contender.\n\n" + header + "\n" + "\n".join(rows))
-    if args.no_append:
-        print(body)
-    else:
-        append_results("DP-SGD throughput", body)
+    publish("DP-SGD throughput", body, append=not args.no_append)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import append_results  # noqa: E402
+from bench.common import publish  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_SECONDS = 23 * 60
@@ -66,10 +66,7 @@ def main() -> None:
         f"{100 * np.std(means):.1f}% (reference run 60.6%), minority "
         f"{100 * np.mean(minorities):.1f} ± {100 * np.std(minorities):.1f}% "
         "(reference run 61.5%).")
-    if args.no_append:
-        print(body)
-    else:
-        append_results("End to end: the quick example", body)
+    publish("End to end: the quick example", body, append=not args.no_append)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import append_results  # noqa: E402
+from bench.common import publish  # noqa: E402
 from dpcfl_flwr.config import parse_run_config  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment  # noqa: E402
 from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
@@ -94,10 +94,8 @@ def main() -> None:
     body = ("| transport | round | round wall (s) | client compute, sum (s) | "
             f"compute / {WORKERS} workers (s) | overhead |\n|---|---|---|---|---|---|\n"
             + "\n".join(table) + "\n\n" + "\n".join(f"- {s}" for s in summary))
-    if args.no_append:
-        print(body)
-    else:
-        append_results("Framework overhead per round (quick example, 21 silos)", body)
+    publish("Framework overhead per round (quick example, 21 silos)", body,
+            append=not args.no_append)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import append_results  # noqa: E402
+from bench.common import publish  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,10 +123,7 @@ def main() -> None:
                  "memory added by the round (MiB) | seconds |\n|---|---|---|---|\n"
                  + "\n".join(rows))
     body = "\n\n".join(parts)
-    if args.no_append:
-        print(body)
-    else:
-        append_results("Scaling: silos, data size, memory", body)
+    publish("Scaling: silos, data size, memory", body, append=not args.no_append)
 
 
 if __name__ == "__main__":
