@@ -134,6 +134,7 @@ def probe(
     lr: float = typer.Option(0.005), clip: float = typer.Option(3.0),
     n_clusters: int = typer.Option(4, help="M; 0 = choose by maximum MSS over 2..10."),
     seed: int = typer.Option(0), threads: int = typer.Option(1, min=1),
+    pca_components: int = typer.Option(0, min=0, help="0: M - 1 axes (>= 2); 2: the authors'."),
     out: Path = typer.Option(Path("results/probe"), help="Directory for probe.json + plot."),
 ) -> None:
     """Round 1 only: do the clients' DP updates reveal their clusters? (Fig. 5, RQ5)"""
@@ -143,7 +144,7 @@ def probe(
     configure_threads(threads)
     settings = ProbeSettings(dataset, data_dir, clusters, shift, model, samples, epsilon, delta,
                              rounds, batch, _parse_first_batch(first_batch), max(rounds // 10, 1),
-                             lr, clip, n_clusters or None, seed)
+                             lr, clip, n_clusters or None, seed, pca_components)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("round-1 DP-SGD per client", total=sum(
             int(c) for c in clusters.split(",")))

@@ -62,6 +62,7 @@ class ExperimentConfig(_Config):
     # clustering (spec §2.6)
     n_clusters: int = Field(4, ge=0, description="0: choose M by maximum MSS")
     max_clusters: int = Field(10, ge=2)
+    pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
     cluster_init: Literal["theta-init", "client0"] = "theta-init"
     aggregation: Literal["uniform", "samples"] = "uniform"
     mrmtl_lambda: float = Field(1.0, ge=0.0)

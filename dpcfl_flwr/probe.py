@@ -39,6 +39,7 @@ class ProbeSettings:
     clip: float = 3.0
     n_clusters: int | None = 4
     seed: int = 0
+    pca_components: int = 0  # 0: M - 1 (at least 2); 2: the authors' projection
 
 
 def run_probe(settings: ProbeSettings, out_dir: Path, progress: Any = None) -> dict[str, Any]:
@@ -57,7 +58,8 @@ def run_probe(settings: ProbeSettings, out_dir: Path, progress: Any = None) -> d
                          settings.first_batch)
     updates = round_one_updates(clients, settings.model, config, settings.seed,
                                 on_client_done=progress)
-    fitted = UpdateClusterer(settings.n_clusters, random_state=settings.seed).fit(updates)
+    fitted = UpdateClusterer(settings.n_clusters, random_state=settings.seed,
+                             n_components=settings.pca_components or None).fit(updates)
     truth = [topology.cluster_of(i) for i in range(topology.num_clients)]
     result = {
         "settings": asdict(settings),

@@ -102,7 +102,8 @@ def _real_round_one(first_batch):
     z = plan_noise(schedule, EPSILON, DELTA, select_rounds=ROUNDS // 10).noise_multiplier
     config = DPSGDConfig(z, CLIP, LR, first_batch)
     updates = round_one_updates(clients, "cnn", config, init_seed=0, noise_seed=1000)
-    return UpdateClusterer(n_clusters=4, random_state=0).fit(updates), truth
+    # The authors' 2-D projection, as in the paper's Fig. 5.
+    return UpdateClusterer(n_clusters=4, random_state=0, n_components=2).fit(updates), truth
 
 
 @pytest.mark.slow
@@ -114,3 +115,27 @@ def test_full_batch_round_one_separates_rotation_clusters_but_batch_32_does_not(
     assert adjusted_rand_score(truth, small.labels_) < 1.0
     assert small.mss_ < 2.5 and small.mss_ < full.mss_ / 2
     assert small.n_iter_ > full.n_iter_  # Fig. 9 left: EM needs fewer iterations at b1 = N
+
+
+@pytest.mark.slow
+def test_projecting_on_m_minus_1_axes_recovers_clusters_that_2_axes_merge():
+    # Quick-example size (N_i = 500, E = 30): four cluster means span 3 dimensions; in 2-D
+    # two of them can fall together although the updates keep them apart.
+    train, test = load_dataset("fmnist", None)
+    topology = Topology((3, 6, 6, 6))
+    truth = [topology.cluster_of(i) for i in range(topology.num_clients)]
+    z = plan_noise(two_stage_schedule(500, 32, 1, 30), EPSILON, DELTA, 3).noise_multiplier
+    two_d, auto = [], []
+    for seed in (0, 1, 2):
+        clients = [make_client_data(train, test, i, topology, "rotation", 500, seed=seed,
+                                    test_samples=1) for i in range(topology.num_clients)]
+        updates = round_one_updates(clients, "cnn", DPSGDConfig(z, CLIP, LR, "full"),
+                                    init_seed=seed, noise_seed=2000 + seed)
+        fitted = {k: UpdateClusterer(4, random_state=seed, n_components=k).fit(updates)
+                  for k in (2, None)}
+        two_d.append(adjusted_rand_score(truth, fitted[2].labels_))
+        auto.append(adjusted_rand_score(truth, fitted[None].labels_))
+        assert fitted[None].points_.shape == (21, 3)
+        assert fitted[None].mss_ > 2.0
+    assert auto == [1.0, 1.0, 1.0]
+    assert min(two_d) < 1.0

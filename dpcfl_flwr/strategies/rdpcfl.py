@@ -129,8 +129,8 @@ class RDPCFL(ClusteredStrategy):
             raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
         e = self.experiment
         candidates = range(2, min(e.max_clusters, len(partitions) - 1) + 1)
-        fitted = UpdateClusterer(e.n_clusters or None, candidates,
-                                 random_state=e.seed).fit(
+        fitted = UpdateClusterer(e.n_clusters or None, candidates, random_state=e.seed,
+                                 n_components=e.pca_components or None).fit(
             np.stack([updates[p] for p in partitions]))
         self.n_clusters = fitted.n_clusters_
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
