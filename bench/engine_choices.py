@@ -16,6 +16,7 @@ import argparse
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,12 +57,17 @@ def conv_choices() -> list[str]:
                                  (BATCH * c_out, c_in, 5, 5),
                                  g.reshape(1, BATCH * c_out, size, size), 1, 2, 1, BATCH)
 
+        def grouped_native() -> torch.Tensor:  # the same without oneDNN
+            with torch.backends.mkldnn.flags(enabled=False):
+                return grouped()
+
         def summed() -> torch.Tensor:  # the non-private weight gradient, for scale
             return conv2d_weight(a, (c_out, c_in, 5, 5), g, 1, 2, 1, 1)
 
         diff = (unfold_bmm().reshape(-1) - grouped().reshape(-1)).abs().max().item()
         rows.append(f"| conv {c_in}->{c_out}, {size}x{size} | {millis(unfold_bmm):.2f} | "
-                    f"{millis(grouped):.2f} | {millis(summed):.2f} | {diff:.1e} |")
+                    f"{millis(grouped):.2f} | {millis(grouped_native):.2f} | "
+                    f"{millis(summed):.2f} | {diff:.1e} |")
     return rows
 
 
@@ -117,10 +123,12 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="TF32 acceleration")
     body = (
         "Per-sample conv weight gradients, batch 32, one thread (ms per call, best of 3):\n\n"
-        "| layer | unfold + bmm | grouped conv | summed (non-private) | max abs diff |\n"
-        "|---|---|---|---|---|\n" + "\n".join(conv_choices()) +
+        "| layer | unfold + bmm | grouped conv (oneDNN) | grouped conv (native) | "
+        "summed (non-private) | max abs diff |\n|---|---|---|---|---|---|\n"
+        + "\n".join(conv_choices()) +
         "\n\nPer-sample norms of ResNet-18's deep layers, batch 32 (ms per call):\n\n"
         "| layer | materialised | Gram (ghost) | max rel. diff |\n|---|---|---|---|\n"
         + "\n".join(ghost_choices()) +
