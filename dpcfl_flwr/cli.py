@@ -252,6 +252,40 @@ def compare(
         _fail(f"{len(failed)} run(s) failed: {', '.join(r.label for r in failed)}")
 
 
+@app.command("report")
+def report(
+    results_dir: Path = typer.Argument(..., exists=True, file_okay=False,
+                                       help="A run's results directory."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Redraw the figures."),
+) -> None:
+    """Print a run's summary table (and per-silo outcome) and redraw its figures."""
+    from .progress import summary_table
+    from .results import redraw_figures
+
+    path = results_dir / "results.json"
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"{path}: cannot read the results ({exc})")
+        return
+    console.print(summary_table(results))
+    table = Table(title="silos", show_header=True)
+    for column in ("partition", "true cluster", "final cluster", "test acc", "eps spent",
+                   "dropped", "refused"):
+        table.add_column(column)
+    for c in results["clients"]:
+        accuracy = "n/a" if c["test_accuracy"] is None else f"{100 * c['test_accuracy']:.1f}%"
+        table.add_row(str(c["partition"]), str(c["true_cluster"]), str(c["final_cluster"]),
+                      accuracy, f"{c['epsilon_spent']:.3f}", str(c["dropped_rounds"] or ""),
+                      str(c["refused_rounds"] or ""))
+    console.print(table)
+    if not results.get("complete"):
+        console.print("[yellow]the run did not finish: these are its last saved results[/]")
+    if plots:
+        for figure in redraw_figures(results, results_dir):
+            console.print(f"figure: {figure}")
+
+
 def _configure_logging(verbose: bool) -> None:
     import logging
 

@@ -161,17 +161,23 @@ class RunRecorder:
             torch.save(state, folder / f"cluster-{m}.pt")
 
     def _plots(self, strategy: ClusteredStrategy, results: dict[str, Any]) -> None:
-        truth = {p: s.true_cluster for p, s in strategy.silos.items()}
-        plot_accuracy_by_cluster(self.rounds, truth, self.out / "accuracy.png",
-                                 f"{strategy.name}: test accuracy per true cluster")
-        outcome = getattr(strategy, "clustering", None)
-        if outcome is not None:
-            plot_projection(
-                np.asarray(outcome.points), [truth[p] for p in outcome.partitions],
-                np.asarray(outcome.means), np.asarray(outcome.radii),
-                self.out / "projection.png",
-                f"round-1 updates: M={outcome.n_clusters}, MSS={outcome.mss:.2f}, "
-                f"ARI={results['clustering'].get('ari', float('nan')):.2f}")
+        redraw_figures(results, self.out)
+
+
+def redraw_figures(results: dict[str, Any], out: Path) -> list[Path]:
+    """accuracy.png and (for R-DPCFL) projection.png, from a results.json alone."""
+    truth = {c["partition"]: c["true_cluster"] for c in results["clients"]}
+    figures = [plot_accuracy_by_cluster(results["rounds"], truth, out / "accuracy.png",
+                                        f"{results['method']}: test accuracy per true cluster")]
+    clustering = results["clustering"]
+    if "points" in clustering:
+        figures.append(plot_projection(
+            np.asarray(clustering["points"]), [truth[p] for p in clustering["partitions"]],
+            np.asarray(clustering["means"]), np.asarray(clustering["radii"]),
+            out / "projection.png",
+            f"round-1 updates: M={clustering['n_clusters']}, MSS={clustering['mss']:.2f}, "
+            f"ARI={clustering.get('ari', float('nan')):.2f}"))
+    return figures
 
 
 def summarise(clients: list[dict[str, Any]], truth: dict[int, int],

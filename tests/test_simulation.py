@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,17 @@ def test_bad_run_config_stops_simulate_with_one_line(tmp_path):
         assert bad.returncode == 2
         lines = [line for line in bad.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and expected in lines[0], bad.stderr
+
+
+@pytest.mark.slow
+def test_report_reads_a_results_directory_back(simulated, tmp_path):
+    out, results, _ = simulated
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "results.json").write_text((out / "results.json").read_text())
+    shown = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "report", str(copy)],
+                           capture_output=True, text=True, timeout=120, check=True,
+                           env={**os.environ, "COLUMNS": "150"}).stdout
+    assert f"{100 * results['summary']['mean_accuracy']:.1f}%" in shown
+    assert shown.count("│") > 8 * 7  # a row per silo
+    assert (copy / "accuracy.png").exists() and (copy / "projection.png").exists()
