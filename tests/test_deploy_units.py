@@ -1,0 +1,109 @@
+"""Deployment pieces without processes: certificates, silo files, commands, validation."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+
+from dpcfl_flwr.config import ConfigError
+from dpcfl_flwr.deploy.certs import make_certificates
+from dpcfl_flwr.deploy.localhost import free_port
+from dpcfl_flwr.deploy.silo_file import (
+    check_silo,
+    load_silo_file,
+    node_config_text,
+    supernode_command,
+)
+from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
+
+
+def test_certificates_chain_to_the_ca_and_name_what_silos_dial(tmp_path):
+    paths = make_certificates(tmp_path, ["superlink", "10.0.0.5"], ["silo-00", "silo-01"])
+    ca = x509.load_pem_x509_certificate(paths.ca_certificate.read_bytes())
+    server = x509.load_pem_x509_certificate(paths.server_certificate.read_bytes())
+    server.verify_directly_issued_by(ca)
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["superlink"]
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5")]
+    for private, public in paths.nodes.values():
+        assert private.stat().st_mode & 0o777 == 0o600
+        load_ssh_public_key(public.read_bytes())
+    assert paths.ca_key.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        make_certificates(tmp_path, ["superlink"], [])
+
+
+def _silo_file(tmp_path) -> Path:
+    make_certificates(tmp_path / "certs", ["localhost"], ["silo-00"])
+    path = tmp_path / "silo.toml"
+    path.write_text(f'''name = "silo-00"
+superlink = "127.0.0.1:9092"
+root-certificates = "certs/ca.crt"
+auth-private-key = "certs/nodes/silo-00"
+runtime-port = {free_port()}
+[node]
+partition-id = 0
+epsilon = 4.0
+ledger-path = "ledgers/silo-00.json"
+''')
+    return path
+
+
+def test_a_valid_silo_file_becomes_a_tls_supernode_command(tmp_path):
+    silo, node = load_silo_file(_silo_file(tmp_path), {}, {})
+    assert check_silo(silo, node) == []
+    command = supernode_command(silo, node)
+    assert command[0].endswith("flower-supernode") and "--insecure" not in command
+    assert command[command.index("--root-certificates") + 1] == str(tmp_path / "certs/ca.crt")
+    assert "--auth-supernode-private-key" in command
+    config = tomllib.loads(command[command.index("--node-config") + 1].replace(" ", "\n"))
+    assert config == {"partition-id": 0, "epsilon": 4.0,
+                      "ledger-path": str(tmp_path / "ledgers" / "silo-00.json")}
+    assert node_config_text(node).startswith("partition-id=0")
+
+
+def test_silo_file_problems_are_named(tmp_path):
+    _silo_file(tmp_path)
+    silo, node = load_silo_file(tmp_path / "silo.toml", {"root-certificates": "",
+                                                          "insecure": False}, {})
+    assert any("TLS needs root-certificates" in p for p in check_silo(silo, node))
+    silo, node = load_silo_file(tmp_path / "silo.toml",
+                                {"root-certificates": str(tmp_path / "silo.toml")}, {})
+    assert any("not a PEM certificate" in p for p in check_silo(silo, node))
+    with pytest.raises(ConfigError, match="'epsilon' = -1"):
+        load_silo_file(tmp_path / "silo.toml", {}, {"epsilon": -1})
+    with pytest.raises(ConfigError, match="unknown key 'colour'"):
+        load_silo_file(tmp_path / "silo.toml", {"colour": "red"}, {})
+
+
+def test_server_settings_are_checked_before_anything_starts(tmp_path):
+    assert any("TLS needs --certs" in p for p in check_server(ServerSettings()))
+    assert any("requires TLS" in p for p in check_server(ServerSettings(insecure=True)))
+    make_certificates(tmp_path, ["localhost"], [])
+    settings = ServerSettings(certs=tmp_path, state=tmp_path / "state")
+    assert check_server(settings) == []
+    command = superlink_command(settings)
+    assert "--enable-supernode-auth" in command and "--ssl-certfile" in command
+    assert command[command.index("--fleet-api-type") + 1] == "grpc-rere"
+
+
+def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path):
+    silo_file = _silo_file(tmp_path)
+    shown = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
+                            "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "eps=4.0" in shown.stdout and "flower-supernode" in shown.stdout
+    # Flags only, no certificate and no --insecure: refused, TLS is not optional by default.
+    bad = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", "--name", "x",
+                          "--partition-id", "0", "--superlink", "127.0.0.1:9092",
+                          "--ledger-path", str(tmp_path / "x.json"), "--runtime-port",
+                          str(free_port()), "--dry-run"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "TLS needs root-certificates" in bad.stderr
