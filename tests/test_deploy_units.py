@@ -92,6 +92,9 @@ def test_server_settings_are_checked_before_anything_starts(tmp_path):
     command = superlink_command(settings)
     assert "--enable-supernode-auth" in command and "--ssl-certfile" in command
     assert command[command.index("--fleet-api-type") + 1] == "grpc-rere"
+    assert command[command.index("--database") + 1] == str(tmp_path / "state" / "state.db")
+    in_memory = superlink_command(ServerSettings(certs=tmp_path, in_memory=True))
+    assert in_memory[in_memory.index("--database") + 1] == ":flwr-in-memory:"
 
 
 def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path):

@@ -86,6 +86,8 @@ def server(
     fleet: str = typer.Option("0.0.0.0:9092", "--fleet-address", help="gRPC for silos."),
     api: str = typer.Option("127.0.0.1:8000", "--api-address", help="HTTP for `flwr run`."),
     state: Path = typer.Option(Path("state"), "--state", help="SuperLink database directory."),
+    in_memory: bool = typer.Option(False, "--in-memory",
+                                   help="Keep SuperLink state in memory (lost on restart)."),
     connection: str = typer.Option("dpcfl", "--connection", help="Name for `flwr run . NAME`."),
     register: list[Path] = typer.Option(None, "--register", help="Silo public keys to admit."),
     ready_file: Path = typer.Option(None, "--ready-file",
@@ -96,14 +98,15 @@ def server(
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)
     settings = ServerSettings(certs_dir, insecure, not (no_node_auth or insecure), fleet, api,
-                              state, connection, register=list(register or []))
+                              state, connection, register=list(register or []),
+                              in_memory=in_memory)
     _stop_if(check_server(settings))
     command = superlink_command(settings)
     _print_plan("SuperLink", {
         "fleet API (silos, gRPC)": fleet, "control API (flwr run)": api,
         "TLS": "off (insecure)" if insecure else f"on ({certs_dir})",
         "node authentication": "on" if settings.node_auth else "off",
-        "keys to register": str(len(settings.register)), "state": str(state / "state.db"),
+        "keys to register": str(len(settings.register)), "state": settings.database,
         "flwr connection": f"{connection} in {settings.flwr_home / 'config.toml'}",
         "command": " ".join(command)})
     if dry_run:

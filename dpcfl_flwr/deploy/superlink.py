@@ -21,6 +21,9 @@ import tomli_w
 from .silo_file import _check_certificate, flower_tool
 
 
+IN_MEMORY_DATABASE = ":flwr-in-memory:"  # flwr.supercore.constant.FLWR_IN_MEMORY_DB_NAME
+
+
 @dataclass
 class ServerSettings:
     certs: Path | None = None  # holds ca.crt, server.pem, server.key (from `dpcfl certs`)
@@ -33,6 +36,13 @@ class ServerSettings:
     flwr_home: Path = field(default_factory=lambda: Path(
         os.environ.get("FLWR_HOME", Path.home() / ".flwr")))
     register: list[Path] = field(default_factory=list)
+    # Flower's in-memory state: nothing survives a SuperLink restart, but no SQLite file whose
+    # 5 s busy timeout a CPU-starved SuperLink can overrun ("database is locked").
+    in_memory: bool = False
+
+    @property
+    def database(self) -> str:
+        return IN_MEMORY_DATABASE if self.in_memory else str(self.state / "state.db")
 
     @property
     def ca(self) -> Path | None:
@@ -70,7 +80,7 @@ def superlink_command(s: ServerSettings) -> list[str]:
     command = [flower_tool("flower-superlink") or "flower-superlink",
                "--fleet-api-type", "grpc-rere",
                "--fleet-api-address", s.fleet_address, "--host", host, "--port", port,
-               "--isolation", "subprocess", "--database", str(s.state / "state.db"),
+               "--isolation", "subprocess", "--database", s.database,
                "--disable-runtime-dependency-installation"]
     if s.insecure:
         command.append("--insecure")
