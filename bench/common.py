@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import shlex
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+REPO = RESULTS.parents[1]
 
 
 def best_of(fn: Callable[[], float], repeats: int) -> float:
@@ -67,3 +69,17 @@ def publish(title: str, body: str, append: bool) -> None:
         append_results(title, body)
     else:
         print(body)
+
+
+def simulate_quick(out: Path, **overrides: object) -> tuple[float, dict]:
+    """The quick example exactly as a user runs it (a fresh ``dpcfl simulate`` process, so the
+    wall time includes Python and Ray start-up), with ``--set key=value`` overrides; returns
+    the wall seconds and its results.json."""
+    command = [sys.executable, "-m", "dpcfl_flwr.cli", "simulate", "--config",
+               str(REPO / "examples" / "quick.toml"), "--out", str(out), "--quiet",
+               "--overwrite"]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, cwd=REPO)
+    return time.perf_counter() - start, json.loads((out / "results.json").read_text())

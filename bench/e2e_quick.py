@@ -11,30 +11,17 @@ minority-cluster accuracy 61.5%; one global DP-FedAvg model reached 36.6% and 18
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import publish  # noqa: E402
+from bench.common import publish, simulate_quick  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 REFERENCE_SECONDS = 23 * 60
 REFERENCE = {"mean": 0.606, "minority": 0.615}
-
-
-def run(seed: int, out: Path) -> tuple[float, dict]:
-    command = [sys.executable, "-m", "dpcfl_flwr.cli", "simulate", "--config",
-               str(REPO / "examples" / "quick.toml"), "--set", f"seed={seed}", "--out",
-               str(out), "--quiet", "--overwrite"]
-    start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, cwd=REPO)
-    return time.perf_counter() - start, json.loads((out / "results.json").read_text())
 
 
 def main() -> None:
@@ -45,7 +32,7 @@ def main() -> None:
     rows, walls, means, minorities = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in (int(s) for s in args.seeds.split(",")):
-            wall, results = run(seed, Path(tmp) / f"seed{seed}")
+            wall, results = simulate_quick(Path(tmp) / f"seed{seed}", seed=seed)
             summary, clustering = results["summary"], results["clustering"]
             walls.append(wall)
             means.append(summary["mean_accuracy"])

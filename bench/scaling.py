@@ -18,13 +18,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import publish  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, publish, simulate_quick  # noqa: E402
 
 
 def used_memory_mib() -> float:
@@ -52,17 +49,10 @@ class PeakMemory(threading.Thread):
 
 
 def simulate(out: Path, **overrides: object) -> tuple[dict, float, float]:
-    command = [sys.executable, "-m", "dpcfl_flwr.cli", "simulate", "--config",
-               str(REPO / "examples" / "quick.toml"), "--out", str(out), "--quiet",
-               "--overwrite"]
-    for key, value in overrides.items():
-        command += ["--set", f"{key}={value}"]
     memory = PeakMemory()
     memory.start()
-    started = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, cwd=REPO)
-    wall = time.perf_counter() - started
-    return json.loads((out / "results.json").read_text()), wall, memory.stop()
+    wall, results = simulate_quick(out, **overrides)
+    return results, wall, memory.stop()
 
 
 _FULL_BATCH = """

@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 
 from .silo_file import _check_certificate, flower_tool
-
-
-IN_MEMORY_DATABASE = ":flwr-in-memory:"  # flwr.supercore.constant.FLWR_IN_MEMORY_DB_NAME
 
 
 @dataclass
@@ -42,7 +40,7 @@ class ServerSettings:
 
     @property
     def database(self) -> str:
-        return IN_MEMORY_DATABASE if self.in_memory else str(self.state / "state.db")
+        return FLWR_IN_MEMORY_DB_NAME if self.in_memory else str(self.state / "state.db")
 
     @property
     def ca(self) -> Path | None:
