@@ -41,11 +41,10 @@ class LocalDeployment:
         return subprocess.run([*DPCFL, *args], cwd=self.root, env=self.env, text=True,
                               capture_output=True, timeout=timeout, check=True)
 
-    def start(self, name: str, *args: str, niceness: int = 0) -> subprocess.Popen:
+    def start(self, name: str, *args: str) -> subprocess.Popen:
         log = (self.root / f"{name}.log").open("w")
         process = subprocess.Popen([*DPCFL, *args], cwd=self.root, env=self.env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[name] = process
         return process
 
@@ -74,12 +73,8 @@ class LocalDeployment:
         self.wait_ready()
 
     def silo(self, index: int, *extra: str) -> subprocess.Popen:
-        """Silos run niced: on one 2-core machine, 21 ClientApp processes starting at once
-        otherwise starve the SuperLink past SQLite's 5 s busy timeout ("database is locked")
-        and Flower 1.39's SuperNode drops the reply. On real silos the SuperLink has its own
-        machine."""
         return self.start(f"silo-{index:02d}", "client", f"clients/silo-{index:02d}.toml",
-                          *extra, niceness=10)
+                          *extra)
 
     def flwr_run(self, out: str, app: Path, **config: object) -> subprocess.Popen:
         """``flwr run <app> dpcfl`` with run-config values (TOML-formatted) over the defaults."""
