@@ -21,7 +21,8 @@ One record layout per message kind (Flower records only, no loose dicts):
   reply ``update`` (ArrayRecord: trained minus received weights) and ``metrics``
     (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
     ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
-    ``compute-seconds`` (time inside the handler, for the framework-overhead benchmark);
+    ``cpu-seconds`` (CPU time inside the handler, for the framework-overhead benchmark:
+    wall time would count the waits of silos sharing cores);
   or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
 
 ``evaluate`` (server -> silo)

@@ -109,7 +109,7 @@ class RunRecorder:
             "mean_test_accuracy": _mean(tested.values()),
             "minority_test_accuracy": _mean(minority_acc),
             "max_epsilon_spent": max(spent) if spent else None,
-            "client_seconds": round(sum(report.client_seconds.values()), 3),
+            "client_cpu_seconds": round(sum(report.client_cpu_seconds.values()), 3),
             "test_accuracy": {str(p): a for p, a in tested.items()},
         }
 

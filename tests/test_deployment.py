@@ -63,6 +63,11 @@ def test_a_run_over_grpc_with_tls_and_node_authentication(deployment):
     assert all(not c["dropped_rounds"] for c in results["clients"])
     server_log = deployment.log("server")
     assert "--enable-supernode-auth" in server_log and "--ssl-certfile" in server_log
+    for i in range(SILOS):  # one fresh ClientApp process for the FAB, then the warm one
+        log = deployment.log(f"silo-{i:02d}")
+        received = log.count("Receiving: ")
+        assert "served warm from now on" in log and received >= 5
+        assert log.count("message answered in this process") == received - 1
     (deployment.root / "wall-seconds.txt").write_text(f"{wall:.1f}\n")
     print(f"\nmulti-process run over gRPC+TLS: {wall:.1f} s wall, "
           f"{results['wall_seconds']:.1f} s inside the ServerApp")

@@ -7,6 +7,8 @@ root-certificates = "../certs/ca.crt"       # TLS: the CA that signed the SuperL
 auth-private-key = "../certs/nodes/silo-00" # node authentication (OpenSSH EC key)
 insecure = false                            # true only for local experiments, never by default
 runtime-port = 9100                         # this silo's ClientApp runtime port on its host
+warm = true                                 # one ClientApp process for all messages (false:
+                                            # Flower's fresh process per message)
 
 [node]                                      # read by the ClientApp (dpcfl_flwr.config.SiloConfig)
 partition-id = 0
@@ -27,6 +29,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -68,6 +71,7 @@ class SiloFile(_Config):
     runtime_host: str = "127.0.0.1"
     runtime_port: int = Field(9094, ge=1, le=65535)
     max_retries: int = Field(0, ge=0, description="0: keep reconnecting")
+    warm: bool = True
     node: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -166,11 +170,11 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _writable_dir(path: Path) -> bool:
+    """Silos sharing a ledger directory start at once: each probes with its own file."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".dpcfl-write-test"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=path):
+            pass
     except OSError:
         return False
     return True
@@ -202,11 +206,16 @@ def node_config_text(node: SiloConfig) -> str:
 
 
 def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
-    """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39)."""
+    """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39).
+
+    A warm silo's SuperNode starts no SuperExec of its own (``--isolation process``):
+    :func:`warm_runtime_command` runs its ClientApp instead.
+    """
     command = [flower_tool("flower-supernode") or "flower-supernode", "--superlink",
                silo.superlink, "--grpc-rere",
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
-               "--isolation", "subprocess", "--node-config", node_config_text(node)]
+               "--isolation", "process" if silo.warm else "subprocess",
+               "--node-config", node_config_text(node)]
     if silo.insecure:
         command.append("--insecure")
     else:
@@ -216,3 +225,10 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
     if silo.max_retries:
         command += ["--max-retries", str(silo.max_retries)]
     return command
+
+
+def warm_runtime_command(silo: SiloFile, supernode_pid: int) -> list[str]:
+    """The process that answers a warm silo's messages (dpcfl_flwr.deploy.warm_runtime)."""
+    return [sys.executable, "-m", "dpcfl_flwr.deploy.warm_runtime", "--runtime-api-address",
+            f"{silo.runtime_host}:{silo.runtime_port}", "--parent-pid", str(supernode_pid),
+            "--wake-on-stdin"]

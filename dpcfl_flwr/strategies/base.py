@@ -81,7 +81,7 @@ class RoundReport:
     dropped: list[int]
     server_seconds: float = 0.0
     test_accuracy: dict[int, float] | None = None
-    client_seconds: dict[int, float] = field(default_factory=dict)
+    client_cpu_seconds: dict[int, float] = field(default_factory=dict)
 
     def cluster_sizes(self, n_clusters: int) -> list[int]:
         counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
@@ -276,8 +276,8 @@ class ClusteredStrategy(Strategy):
             {p: r.cluster for p, r in good.items()},
             {p: number(r.metrics, "val-accuracy") for p, r in good.items()},
             refused, sorted(missing), server_seconds=time.monotonic() - started,
-            client_seconds={p: number(r.metrics, "compute-seconds") for p, r in good.items()
-                            if "compute-seconds" in r.metrics},
+            client_cpu_seconds={p: number(r.metrics, "cpu-seconds") for p, r in good.items()
+                                if "cpu-seconds" in r.metrics},
         )
         self.reports.append(report)
         return report

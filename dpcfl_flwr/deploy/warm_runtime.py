@@ -1,0 +1,197 @@
+"""A silo's ClientApp kept warm: one long-lived process answers all of a run's messages.
+
+Flower 1.39's SuperExec starts a fresh ``flwr-clientapp`` process for every message: a new
+interpreter, torch and Flower imports, the FAB unpacked and the silo's data read again. On the
+quick example that start-up was ~95% of a gRPC round (bench/RESULTS.md, "Framework overhead").
+This runtime takes the SuperExec's place next to ``flower-supernode --isolation process``: it
+acquires the SuperNode's tasks over the same local Runtime API and runs each one here with
+Flower's own task I/O (``flwr.supernode.runtime.run_clientapp``), so the imports, the loaded
+ClientApp and the silo's cached data outlive a message. The Context (with the ledger record)
+still arrives with every task, and the ledger on disk is written exactly as before.
+
+Serving a FAB's messages with modules imported here is only right when they are the FAB's own
+code. So the first task of every FAB goes through Flower's cold path (which installs the FAB);
+the FAB is served warm afterwards only if its ``dpcfl_flwr`` sources are byte-identical to the
+ones this process runs, and stays on the cold path otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from flwr.app import Context, Error, Message
+from flwr.clientapp import ClientApp
+from flwr.common.constant import FAB_HASH_TRUNCATION, ErrorCode, SubStatus
+from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.supercore.app_utils import start_parent_process_monitor
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.interceptors import (
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
+)
+from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.utils import get_flwr_home
+from flwr.supernode.runtime.run_clientapp import (
+    pull_task_input,
+    push_message,
+    push_task_output,
+)
+
+import dpcfl_flwr
+
+from .silo_file import flower_tool
+
+logger = logging.getLogger(__name__)
+
+# Polling is the fallback: the silo's supervisor wakes the runtime as soon as its SuperNode
+# has stored a message (see ``wake``). Polling fast instead would cost CPU: an AcquireTask is
+# ~1-3 ms on each side, and 21 silos at 10 Hz took about a third of this 2-core machine.
+DEFAULT_POLL_SECONDS = 1.0
+
+
+def _sources(package: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(package)): path.read_bytes()
+            for path in sorted(package.rglob("*.py"))}
+
+
+# Read when this process starts, before the ClientApp's modules are imported: what it runs.
+_RUNNING_SOURCES = _sources(Path(dpcfl_flwr.__file__).parent)
+
+
+def fab_matches_this_process(fab_hash: str, flwr_home: Path | None = None) -> bool:
+    """Whether the installed FAB ``fab_hash`` ships exactly the ClientApp code running here."""
+    home = flwr_home or get_flwr_home()
+    installed = sorted((home / "apps").glob(f"*.{fab_hash[:FAB_HASH_TRUNCATION]}"))
+    if len(installed) != 1:
+        return False
+    shipped = installed[0] / "dpcfl_flwr"
+    return shipped.is_dir() and _sources(shipped) == _RUNNING_SOURCES
+
+
+class WarmRuntime:
+    """Acquire a SuperNode's ClientApp tasks and run them in this process (see module doc)."""
+
+    def __init__(self, runtime_api_address: str, app: ClientApp,
+                 poll_seconds: float = DEFAULT_POLL_SECONDS) -> None:
+        self.address = runtime_api_address
+        self.app = app
+        self.poll_seconds = poll_seconds
+        self.warm_fabs: dict[str, bool] = {}  # fab hash -> served warm
+        self.tasks = {"warm": 0, "cold": 0}
+        self.wake = threading.Event()  # set when the SuperNode has a message for this silo
+
+    def _client(self, *interceptors: object) -> RuntimeHttpClient:
+        return RuntimeHttpClient.from_server_address(
+            server_address=self.address, insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"),
+                          *interceptors],
+            retry_invoker=make_simple_http_retry_invoker())
+
+    def serve(self, stop: Callable[[], bool] = lambda: False) -> None:
+        acquirer = self._client()
+        request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
+        try:
+            while not stop():
+                acquired = acquirer.AcquireTask(request)
+                if acquired.HasField("task") and acquired.token:
+                    self.run(acquired.task, acquired.token)
+                else:
+                    self.wake.wait(self.poll_seconds)
+                    self.wake.clear()
+        finally:
+            acquirer.close()
+
+    def run(self, task: Task, token: str) -> None:
+        if self.warm_fabs.get(task.fab_hash):
+            self.tasks["warm"] += 1
+            self._run_here(token)
+            return
+        self.tasks["cold"] += 1
+        self._run_cold(token)
+        if task.fab_hash not in self.warm_fabs:
+            warm = fab_matches_this_process(task.fab_hash)
+            self.warm_fabs[task.fab_hash] = warm
+            logger.info("FAB %s: %s", task.fab_hash[:FAB_HASH_TRUNCATION],
+                        "served warm from now on" if warm else
+                        "its code differs from this process's; one process per message")
+
+    def _run_cold(self, token: str) -> None:
+        """Flower's own path: a fresh ``flwr-clientapp`` for this one task."""
+        command = flower_tool("flwr-clientapp") or "flwr-clientapp"
+        subprocess.run([command, "--runtime-api-address", self.address, "--token", token,
+                        "--insecure"], check=False)
+
+    def _run_here(self, token: str) -> None:
+        """``run_clientapp`` without the process around it: same pulls, pushes and statuses."""
+        client = self._client(RuntimeTokenHttpInterceptor(token))
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        message: Message | None = None
+        context: Context | None = None
+        reply: Message | None = None
+        status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+        started = time.perf_counter()
+        try:
+            message, context, _run, _fab = pull_task_input(client)
+            reply = self.app(message=message, context=context)
+            status, details = SubStatus.COMPLETED, ""
+            logger.info("%s message answered in this process in %.2f s",
+                        message.metadata.message_type, time.perf_counter() - started)
+        except Exception as exc:  # the same contract as Flower's: an Error reply, not a crash
+            logger.exception("ClientApp raised an exception")
+            details = f"{type(exc)}:<'{exc}'>"
+            if message is not None:
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                      reason=details), reply_to=message)
+        finally:
+            try:
+                if reply is not None and context is not None:
+                    push_message(client, reply, context)
+            finally:
+                push_task_output(client, context, status, details)
+                heartbeat.stop()
+                client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dpcfl_flwr.deploy.warm_runtime",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime-api-address", required=True,
+                        help="The SuperNode's Runtime API, host:port.")
+    parser.add_argument("--parent-pid", type=int,
+                        help="Exit when this process (the SuperNode) exits.")
+    parser.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_SECONDS)
+    parser.add_argument("--wake-on-stdin", action="store_true",
+                        help="Look for a task at once whenever a line arrives on stdin.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    if args.parent_pid is not None:
+        start_parent_process_monitor(args.parent_pid)
+    from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch only once arguments parse)
+
+    runtime = WarmRuntime(args.runtime_api_address, app, args.poll_seconds)
+    if args.wake_on_stdin:
+        threading.Thread(target=_wake_on_lines, args=(runtime.wake,), daemon=True).start()
+    with contextlib.suppress(KeyboardInterrupt):  # the parent monitor: the SuperNode is gone
+        runtime.serve()
+
+
+def _wake_on_lines(wake: threading.Event) -> None:
+    for _line in sys.stdin:
+        wake.set()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The warm ClientApp runtime serves a FAB from its own process only if the FAB ships the code
+that process runs (the deployment tests run it for real over gRPC)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dpcfl_flwr
+from dpcfl_flwr.config import parse_node_config
+from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command, warm_runtime_command
+from dpcfl_flwr.deploy.warm_runtime import fab_matches_this_process
+
+HASH = "a06c43f2" + "0" * 56
+PACKAGE = Path(dpcfl_flwr.__file__).parent
+
+
+def _install_fab(home: Path, fab_hash: str = HASH) -> Path:
+    """Lay out an installed FAB the way Flower's install_from_fab names it."""
+    app = home / "apps" / f"dpcfl.dpcfl-flwr.0.1.0.{fab_hash[:8]}"
+    shutil.copytree(PACKAGE, app / "dpcfl_flwr", ignore=shutil.ignore_patterns("__pycache__"))
+    return app / "dpcfl_flwr"
+
+
+def test_a_fab_with_this_process_code_is_served_warm(tmp_path):
+    _install_fab(tmp_path)
+    assert fab_matches_this_process(HASH, tmp_path)
+
+
+def test_a_fab_with_other_code_is_not_served_warm(tmp_path):
+    shipped = _install_fab(tmp_path)
+    (shipped / "silo.py").write_text((shipped / "silo.py").read_text() + "\n# changed\n")
+    assert not fab_matches_this_process(HASH, tmp_path)
+
+
+def test_a_fab_with_an_extra_module_or_none_installed_is_not_served_warm(tmp_path):
+    assert not fab_matches_this_process(HASH, tmp_path)  # not installed
+    shipped = _install_fab(tmp_path)
+    (shipped / "extra.py").write_text("x = 1\n")
+    assert not fab_matches_this_process(HASH, tmp_path)
+
+
+def test_warm_silos_run_the_supernode_without_its_own_superexec():
+    node = parse_node_config({"partition-id": 0})
+    warm = SiloFile(name="s", insecure=True, runtime_port=9123)
+    cold = SiloFile(name="s", insecure=True, warm=False)
+    isolation = {"warm": warm, "cold": cold}
+    flags = {k: supernode_command(v, node) for k, v in isolation.items()}
+    assert flags["warm"][flags["warm"].index("--isolation") + 1] == "process"
+    assert flags["cold"][flags["cold"].index("--isolation") + 1] == "subprocess"
+    runtime = warm_runtime_command(warm, 4321)
+    assert runtime[runtime.index("--runtime-api-address") + 1] == "127.0.0.1:9123"
+    assert runtime[runtime.index("--parent-pid") + 1] == "4321"
