@@ -88,10 +88,11 @@ def test_a_killed_silo_is_dropped_rejoins_and_keeps_its_ledger_and_a_spent_one_r
     for i in range(SILOS):
         deployment.silo(i, "--ledger-path", str(ledgers / f"silo-{i:02d}.json"))
     run = deployment.flwr_run("run-faults", REPO, **SMALL, **{
-        "num-server-rounds": 7, "eval-every": 7, "round-timeout": 40.0})
+        "num-server-rounds": 10, "eval-every": 10, "round-timeout": 40.0})
     progress = root / "run-faults" / "progress.jsonl"
     _wait_for(progress, '"round": 1,', run, timeout=400)
-    time.sleep(3)  # silo 1 is now inside round 2
+    time.sleep(1)  # silo 1 is now inside round 2 (or, on a fast machine, a later one)
+    finished = progress.read_text().count('"event": "round"')
     deployment.kill("silo-01")
     before = PrivacyLedger.load(ledgers / "silo-01.json").entries
     deployment.silo(1, "--ledger-path", str(ledgers / "silo-01.json"))  # restarts, rejoins
@@ -99,7 +100,8 @@ def test_a_killed_silo_is_dropped_rejoins_and_keeps_its_ledger_and_a_spent_one_r
     results = _results(root / "run-faults")
     clients = {c["partition"]: c for c in results["clients"]}
     assert results["complete"]
-    assert 2 in clients[1]["dropped_rounds"]  # the results say who dropped, and when
+    # The results say who dropped, and when: in the round under way at the kill.
+    assert clients[1]["dropped_rounds"][0] in (finished + 1, finished + 2)
     after = PrivacyLedger.load(ledgers / "silo-01.json")
     assert after.entries[:len(before)] == before  # the restart continued the ledger
     assert max(e.round or 0 for e in after.entries) > 3  # ... and trained after rejoining
