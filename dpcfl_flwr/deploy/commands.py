@@ -237,8 +237,9 @@ def client(
         return
     sys.stdout.flush()
     use_this_environment()
-    warm = (lambda pid: warm_runtime_command(silo, pid)) if silo.warm else None
-    raise typer.Exit(code=_supervise(command, rejoin_wait, warm))
+    runtime: RuntimeCommand | None = (
+        (lambda pid: warm_runtime_command(silo, pid)) if silo.warm else None)
+    raise typer.Exit(code=_supervise(command, rejoin_wait, runtime))
 
 
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
@@ -249,10 +250,10 @@ _ACTIVATION_REFUSED = "Failed to activate SuperNode"
 _MESSAGE_STORED = "Received successfully"
 
 
-WarmRuntime = Callable[[int], list[str]]  # SuperNode pid -> the warm runtime's command
+RuntimeCommand = Callable[[int], list[str]]  # SuperNode pid -> the warm runtime's command
 
 
-def _supervise(command: list[str], rejoin_wait: float, warm: WarmRuntime | None) -> int:
+def _supervise(command: list[str], rejoin_wait: float, warm: RuntimeCommand | None) -> int:
     """Run the SuperNode, passing its output through; retry activation refusals for
     ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
     session expire). TLS failures and every other error end the silo at once."""
@@ -266,7 +267,7 @@ def _supervise(command: list[str], rejoin_wait: float, warm: WarmRuntime | None)
         time.sleep(5)
 
 
-def _run_supernode(command: list[str], warm: WarmRuntime | None) -> tuple[int, bool, bool]:
+def _run_supernode(command: list[str], warm: RuntimeCommand | None) -> tuple[int, bool, bool]:
     """One SuperNode life: (exit code, activation refused, stopped by a signal).
 
     The SuperNode (and a warm silo's ClientApp runtime) run in their own process groups, die
@@ -302,7 +303,7 @@ def _run_supernode(command: list[str], warm: WarmRuntime | None) -> tuple[int, b
     return code, refused.is_set(), stopped()
 
 
-def _start_warm_runtime(warm: WarmRuntime, supernode: subprocess.Popen) -> subprocess.Popen:
+def _start_warm_runtime(warm: RuntimeCommand, supernode: subprocess.Popen) -> subprocess.Popen:
     """Start the ClientApp runtime; if it dies, end the SuperNode too, so that the silo stops
     with an error instead of accepting messages nobody will answer."""
     runtime = subprocess.Popen(warm(supernode.pid), stdin=subprocess.PIPE, text=True,

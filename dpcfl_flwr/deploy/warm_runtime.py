@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Error, Message
@@ -39,6 +38,7 @@ from flwr.supercore.interceptors import (
     RuntimeTokenHttpInterceptor,
     RuntimeVersionHttpInterceptor,
 )
+from flwr.supercore.protobuf.client import ProtobufClientInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.utils import get_flwr_home
@@ -88,21 +88,20 @@ class WarmRuntime:
         self.app = app
         self.poll_seconds = poll_seconds
         self.warm_fabs: dict[str, bool] = {}  # fab hash -> served warm
-        self.tasks = {"warm": 0, "cold": 0}
         self.wake = threading.Event()  # set when the SuperNode has a message for this silo
 
-    def _client(self, *interceptors: object) -> RuntimeHttpClient:
+    def _client(self, *interceptors: ProtobufClientInterceptor) -> RuntimeHttpClient:
         return RuntimeHttpClient.from_server_address(
             server_address=self.address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"),
                           *interceptors],
             retry_invoker=make_simple_http_retry_invoker())
 
-    def serve(self, stop: Callable[[], bool] = lambda: False) -> None:
+    def serve(self) -> None:
         acquirer = self._client()
         request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
         try:
-            while not stop():
+            while True:
                 acquired = acquirer.AcquireTask(request)
                 if acquired.HasField("task") and acquired.token:
                     self.run(acquired.task, acquired.token)
@@ -114,10 +113,8 @@ class WarmRuntime:
 
     def run(self, task: Task, token: str) -> None:
         if self.warm_fabs.get(task.fab_hash):
-            self.tasks["warm"] += 1
             self._run_here(token)
             return
-        self.tasks["cold"] += 1
         self._run_cold(token)
         if task.fab_hash not in self.warm_fabs:
             warm = fab_matches_this_process(task.fab_hash)
