@@ -30,37 +30,34 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import publish  # noqa: E402
+from bench.common import REPO, publish  # noqa: E402
 from dpcfl_flwr.config import parse_run_config  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment  # noqa: E402
 from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 WORKERS = 2
 
 
-def quick(rounds: int, out: Path) -> dict:
+def quick(rounds: int, out: Path, scale: dict[str, int]) -> dict:
+    """The quick example's run config, shortened to ``rounds``; ``scale`` may set its N_i."""
     base = load_config(REPO / "examples" / "quick.toml", {})
     return {**base.to_run_config(), "num-server-rounds": rounds, "eval-every": rounds,
-            "out-dir": str(out), **SCALE}
+            "out-dir": str(out), **scale}
 
 
-SCALE: dict[str, int] = {}  # --samples-per-client overrides the quick example's N_i
-
-
-def simulation(rounds: int, root: Path) -> dict:
+def simulation(rounds: int, root: Path, scale: dict[str, int]) -> dict:
     out = root / "simulation"
-    run_simulation(parse_run_config(quick(rounds, out)), cpus=WORKERS)
+    run_simulation(parse_run_config(quick(rounds, out, scale)), cpus=WORKERS)
     return json.loads((out / "results.json").read_text())
 
 
-def grpc(rounds: int, root: Path, *silo_options: str) -> dict:
+def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str) -> dict:
     deployment = LocalDeployment(root / "grpc", clusters="3,6,6,6")
     try:
         deployment.up("--in-memory")  # 21 silos on 2 cores overrun SQLite's busy timeout
         for i in range(deployment.silos):
             deployment.silo(i, *silo_options)
-        config = quick(rounds, deployment.root / "run")
+        config = quick(rounds, deployment.root / "run", scale)
         values = {k: (f'"{v}"' if isinstance(v, str) else repr(v)) for k, v in config.items()
                   if k not in ("clusters", "out-dir")}
         values["round-timeout"] = 600.0  # a lost reply fails the bench in minutes, not an hour
@@ -91,15 +88,14 @@ def main() -> None:
                         help="N_i (default: the quick example's 500; the paper's is 8000)")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
-    if args.samples_per_client:
-        SCALE["samples-per-client"] = args.samples_per_client
+    scale = {"samples-per-client": args.samples_per_client} if args.samples_per_client else {}
     table, summary = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.transports.split(","):
             started = time.perf_counter()
             run = {"simulation": simulation, "grpc": grpc,
-                   "grpc-per-message": lambda r, d: grpc(r, d, "--process-per-message")}[name]
-            results = run(args.rounds, Path(tmp) / name)
+                   "grpc-per-message": lambda r, d, s: grpc(r, d, s, "--process-per-message")}[name]
+            results = run(args.rounds, Path(tmp) / name, scale)
             wall = time.perf_counter() - started
             lines, mean = rows(name, results)
             table += lines
