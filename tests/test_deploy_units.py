@@ -60,7 +60,8 @@ def test_a_valid_silo_file_becomes_a_tls_supernode_command(tmp_path):
     silo, node = load_silo_file(_silo_file(tmp_path), {}, {})
     assert check_silo(silo, node) == []
     command = supernode_command(silo, node)
-    assert command[0].endswith("flower-supernode") and "--insecure" not in command
+    assert command[:3] == [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher"]
+    assert command[command.index("--idle-poll") + 1] == "0.5" and "--insecure" not in command
     assert command[command.index("--root-certificates") + 1] == str(tmp_path / "certs/ca.crt")
     assert "--auth-supernode-private-key" in command
     config = tomllib.loads(command[command.index("--node-config") + 1].replace(" ", "\n"))
@@ -102,7 +103,8 @@ def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path
     shown = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
                             "--dry-run"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
-    assert "eps=4.0" in shown.stdout and "flower-supernode" in shown.stdout
+    assert "eps=4.0" in shown.stdout and "supernode_launcher" in shown.stdout
+    assert "every 0.5 s" in shown.stdout
     # Flags only, no certificate and no --insecure: refused, TLS is not optional by default.
     bad = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", "--name", "x",
                           "--partition-id", "0", "--superlink", "127.0.0.1:9092",

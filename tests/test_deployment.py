@@ -67,6 +67,7 @@ def test_a_run_over_grpc_with_tls_and_node_authentication(deployment):
         log = deployment.log(f"silo-{i:02d}")
         received = log.count("Receiving: ")
         assert "served warm from now on" in log and received >= 5
+        assert "polls the SuperLink every 0.5 s when idle" in log
         assert log.count("message answered in this process") == received - 1
     (deployment.root / "wall-seconds.txt").write_text(f"{wall:.1f}\n")
     print(f"\nmulti-process run over gRPC+TLS: {wall:.1f} s wall, "

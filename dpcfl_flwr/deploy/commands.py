@@ -232,6 +232,7 @@ def client(
             f"{node_config.device} / {node_config.threads or 'run config'}",
         "ClientApp process": "warm (one for all messages)" if silo.warm
         else "one per message (Flower's SuperExec)",
+        "SuperLink poll when idle": f"every {silo.idle_poll:g} s",
         "command": " ".join(command)})
     if dry_run:
         return

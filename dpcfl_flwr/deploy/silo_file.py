@@ -9,6 +9,8 @@ insecure = false                            # true only for local experiments, n
 runtime-port = 9100                         # this silo's ClientApp runtime port on its host
 warm = true                                 # one ClientApp process for all messages (false:
                                             # Flower's fresh process per message)
+idle-poll = 0.5                             # seconds between SuperLink polls when idle
+                                            # (Flower's own SuperNode waits 3)
 
 [node]                                      # read by the ClientApp (dpcfl_flwr.config.SiloConfig)
 partition-id = 0
@@ -40,6 +42,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
 from ..config import ConfigError, SiloConfig, _Config, _one_line, parse_node_config
+from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
 
@@ -72,6 +75,7 @@ class SiloFile(_Config):
     runtime_port: int = Field(9094, ge=1, le=65535)
     max_retries: int = Field(0, ge=0, description="0: keep reconnecting")
     warm: bool = True
+    idle_poll: float = Field(DEFAULT_IDLE_POLL, gt=0.0, le=60.0)
     node: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -206,13 +210,14 @@ def node_config_text(node: SiloConfig) -> str:
 
 
 def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
-    """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39).
+    """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39), run
+    through :mod:`.supernode_launcher` so that an idle silo polls every ``idle-poll`` seconds.
 
     A warm silo's SuperNode starts no SuperExec of its own (``--isolation process``):
     :func:`warm_runtime_command` runs its ClientApp instead.
     """
-    command = [flower_tool("flower-supernode") or "flower-supernode", "--superlink",
-               silo.superlink, "--grpc-rere",
+    command = [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher",
+               "--idle-poll", f"{silo.idle_poll:g}", "--superlink", silo.superlink, "--grpc-rere",
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
                "--isolation", "process" if silo.warm else "subprocess",
                "--node-config", node_config_text(node)]

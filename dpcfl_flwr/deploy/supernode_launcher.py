@@ -1,0 +1,92 @@
+"""``flower-supernode`` with shorter waits between its SuperLink polls.
+
+Flower 1.39's SuperNode loop sleeps a fixed 3 s whenever a poll of the SuperLink brings no
+message, and checks every 0.5 s whether its ClientApp has replied
+(``flwr/supernode/start_client_internal.py``). A round therefore reaches an idle silo on
+average 1.5 s late and its reply leaves up to 0.5 s late: on the quick example that was more than
+40% of a 4.5 s round over gRPC (bench/RESULTS.md). This launcher runs Flower's own SuperNode
+unchanged except for those two waits, which it shortens to ``--idle-poll`` seconds and a
+tenth of it. Everything else (gRPC, TLS, node authentication, retries) is Flower's code path.
+
+The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
+for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
+was written against and otherwise runs the SuperNode with Flower's own waits and says so.
+
+  python -m dpcfl_flwr.deploy.supernode_launcher --idle-poll 0.5 <flower-supernode arguments>
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from types import ModuleType
+
+PATCHED_FLOWER = "1.39.0"
+FLOWER_IDLE_WAIT = 3.0  # seconds Flower sleeps after a poll that brought no message
+FLOWER_REPLY_WAIT = 0.5  # seconds between its checks for the ClientApp's reply
+DEFAULT_IDLE_POLL = 0.5
+
+
+class ShortWaits:
+    """Stands in for the ``time`` module inside Flower's SuperNode loop: every attribute is
+    the real one except ``sleep``, which shortens Flower's two fixed waits."""
+
+    def __init__(self, idle_poll: float) -> None:
+        if idle_poll <= 0:
+            raise ValueError(f"idle poll must be positive, got {idle_poll}")
+        self.idle_poll = idle_poll
+        self.reply_poll = min(FLOWER_REPLY_WAIT, idle_poll / 10)
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == FLOWER_IDLE_WAIT:
+            seconds = self.idle_poll
+        elif seconds == FLOWER_REPLY_WAIT:
+            seconds = self.reply_poll
+        time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def shorten_waits(loop: ModuleType, version: str, idle_poll: float) -> bool:
+    """Install :class:`ShortWaits` in Flower's SuperNode loop module; False (and nothing
+    changed) when this is not the Flower version whose waits we know."""
+    if version != PATCHED_FLOWER or getattr(loop, "time", None) is not time:
+        return False
+    loop.time = ShortWaits(idle_poll)  # type: ignore[attr-defined]
+    return True
+
+
+def split_arguments(argv: Sequence[str]) -> tuple[float, list[str]]:
+    """(--idle-poll value, the rest for flower-supernode)."""
+    rest, idle_poll, args = [], DEFAULT_IDLE_POLL, list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg == "--idle-poll" and args:
+            idle_poll = float(args.pop(0))
+        elif arg.startswith("--idle-poll="):
+            idle_poll = float(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return idle_poll, rest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import flwr
+    from flwr.supernode import start_client_internal as loop
+    from flwr.supernode.cli import flower_supernode
+
+    idle_poll, rest = split_arguments(sys.argv[1:] if argv is None else argv)
+    if shorten_waits(loop, flwr.__version__, idle_poll):
+        print(f"dpcfl: SuperNode polls the SuperLink every {idle_poll:g} s when idle "
+              f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
+    else:
+        print(f"dpcfl: flwr {flwr.__version__} is not {PATCHED_FLOWER}; the SuperNode keeps "
+              "Flower's own poll waits", file=sys.stderr, flush=True)
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
