@@ -105,6 +105,14 @@ def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path
     assert shown.returncode == 0, shown.stderr
     assert "eps=4.0" in shown.stdout and "supernode_launcher" in shown.stdout
     assert "every 0.5 s" in shown.stdout
+    slower = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
+                             "--idle-poll", "2", "--dry-run"], capture_output=True, text=True,
+                            timeout=120)
+    assert slower.returncode == 0 and "every 2 s" in slower.stdout
+    zero = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
+                           "--idle-poll", "0", "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
+    assert zero.returncode == 2 and "idle-poll" in zero.stderr
     # Flags only, no certificate and no --insecure: refused, TLS is not optional by default.
     bad = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", "--name", "x",
                           "--partition-id", "0", "--superlink", "127.0.0.1:9092",

@@ -183,6 +183,9 @@ def client(
         help="Default: warm, one ClientApp process answers all messages; "
              "--process-per-message: Flower's fresh process for each."),
     runtime_port: int = typer.Option(None, "--runtime-port"),
+    idle_poll: float = typer.Option(
+        None, "--idle-poll",
+        help="Seconds between SuperLink polls when idle (default 0.5; Flower's own: 3)."),
     partition_id: int = typer.Option(None, "--partition-id"),
     epsilon: float = typer.Option(None, "--epsilon"),
     delta: float = typer.Option(None, "--delta"),
@@ -204,7 +207,7 @@ def client(
     overrides = {"name": name, "superlink": superlink, "insecure": insecure,
                  "root-certificates": absolute(root_certificates),
                  "auth-private-key": absolute(auth_private_key), "runtime-port": runtime_port,
-                 "warm": warm}
+                 "warm": warm, "idle-poll": idle_poll}
     node = {k: v for k, v in {
         "partition-id": partition_id, "epsilon": epsilon, "delta": delta,
         "ledger-path": absolute(ledger_path), "data-dir": absolute(data_dir),
