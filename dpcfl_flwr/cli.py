@@ -228,17 +228,28 @@ def compare(
                                 help="Run-config TOML, with optional [method.<name>] tables."),
     out: Path = typer.Option(Path("results/compare"), "--out", help="Grid directory."),
     cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for each simulation (0: all)."),
+    overrides: list[str] = typer.Option(
+        None, "--set", help="Override a key in every run: --set budget-mode=joint."),
 ) -> None:
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
     write summary.md / summary.csv / comparison.png in the paper's form."""
+    from .compare import (
+        apply_overrides,
+        load_grid_config,
+        parse_numbers,
+        plan_grid,
+        run_grid,
+        write_reports,
+    )
     from .compare import collect as collect_cells
-    from .compare import load_grid_config, parse_numbers, plan_grid, run_grid, write_reports
+    from .simulation import parse_override
 
     try:
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         eps_list = parse_numbers(epsilons, float)
         seed_list = parse_numbers(seeds, int)
-        base, per_method = load_grid_config(config)
+        base, per_method = apply_overrides(
+            *load_grid_config(config), dict(parse_override(item) for item in overrides or []))
         runs = plan_grid(method_list, eps_list, seed_list, out)
         failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
             line, highlight=False))

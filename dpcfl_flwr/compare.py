@@ -69,6 +69,23 @@ def load_grid_config(path: str | Path | None) -> tuple[dict[str, Any], dict[str,
     return data, per_method
 
 
+GRID_KEYS = ("method", "epsilon", "seed", "out-dir")
+
+
+def apply_overrides(base: dict[str, Any], per_method: dict[str, dict[str, Any]],
+                    overrides: dict[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``--set key=value`` pairs win over the config file and its method tables, so a variant
+    of a whole grid (``--set budget-mode=joint``) needs no second config file. The grid's own
+    coordinates are set by --methods/--epsilons/--seeds/--out, never by --set."""
+    fixed = sorted(set(overrides) & set(GRID_KEYS))
+    if fixed:
+        raise ConfigError(f"--set cannot change {', '.join(fixed)}: the grid sets it "
+                          "(use --methods, --epsilons, --seeds, --out)")
+    return ({**base, **overrides},
+            {method: {**table, **overrides} for method, table in per_method.items()})
+
+
 def plan_grid(methods: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
               out: Path) -> list[GridRun]:
     for method in methods:

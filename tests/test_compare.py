@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from dpcfl_flwr.compare import GridRun, load_grid_config, plan_grid, run_config
+from dpcfl_flwr.compare import (
+    GridRun,
+    apply_overrides,
+    load_grid_config,
+    plan_grid,
+    run_config,
+)
 from dpcfl_flwr.config import ConfigError
 
 TINY = """clusters = "2,2"
@@ -37,6 +43,18 @@ def test_grid_layout_and_per_method_overrides(tmp_path):
     assert run_config(local, base, per_method)["learning-rate"] == 0.01
     rdpcfl = next(r for r in runs if r.method == "rdpcfl")
     assert run_config(rdpcfl, base, per_method)["learning-rate"] == 0.005
+
+
+def test_set_overrides_win_over_the_file_and_its_method_tables(tmp_path):
+    config = tmp_path / "grid.toml"
+    config.write_text(TINY)
+    base, per_method = apply_overrides(*load_grid_config(config),
+                                       {"learning-rate": 0.02, "budget-mode": "joint"})
+    for run in plan_grid(["rdpcfl", "local"], [5], [0], tmp_path / "out"):
+        cell = run_config(run, base, per_method)
+        assert cell["learning-rate"] == 0.02 and cell["budget-mode"] == "joint"
+    with pytest.raises(ConfigError, match="--set cannot change epsilon, seed"):
+        apply_overrides(base, per_method, {"seed": 3, "epsilon": 1.0})
 
 
 def test_bad_grid_configs_are_refused(tmp_path):
