@@ -12,6 +12,7 @@ of per-method overrides (the paper tunes learning rate and batch size per method
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -159,6 +160,9 @@ class Cell:
     found_structure: int | None
     minority_isolated: int | None
     seeds: int
+    # Per seed: the largest noise multiplier of a silo, and the largest epsilon a silo spent.
+    noise: list[float] = dataclasses.field(default_factory=list)
+    spent: list[float] = dataclasses.field(default_factory=list)
 
 
 def collect(runs: Iterable[GridRun]) -> list[Cell]:
@@ -178,7 +182,9 @@ def collect(runs: Iterable[GridRun]) -> list[Cell]:
             if clustered else None,
             sum(bool(r["clustering"].get("minority_isolated")) for r in results)
             if clustered else None,
-            len(results)))
+            len(results),
+            [max(c["noise_multiplier"] for c in r["clients"]) for r in results],
+            [s["max_epsilon_spent"] for s in summaries]))
     return cells
 
 
@@ -209,6 +215,12 @@ def markdown(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float
             if (m, e) in by else "-" for e in epsilons) + " |" for m in detecting]
         parts.append("**Seeds that found the full cluster structure · that isolated the "
                      f"minority cluster**\n\n{header}\n{rule}\n" + "\n".join(rows))
+    rows = [f"| {m} | " + " | ".join(
+        f"{max(by[(m, e)].noise):.3g} · {max(by[(m, e)].spent):.2f}"
+        if (m, e) in by and by[(m, e)].spent else "-" for e in epsilons) + " |" for m in methods]
+    parts.append("**Privacy: the silos' noise multiplier z · the largest epsilon a silo spent** "
+                 "(largest over seeds; each silo's ledger, never above eps)\n\n"
+                 f"{header}\n{rule}\n" + "\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
 
@@ -220,12 +232,13 @@ def write_reports(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[
         writer = csv.writer(handle)
         writer.writerow(["method", "epsilon", "seeds", "accuracy_mean", "accuracy_std",
                          "minority_mean", "minority_std", "found_structure",
-                         "minority_isolated"])
+                         "minority_isolated", "max_noise_multiplier", "max_epsilon_spent"])
         for c in sorted(cells, key=lambda c: (c.method, c.epsilon)):
             writer.writerow([c.method, c.epsilon, c.seeds, np.mean(c.accuracy),
                              np.std(c.accuracy), np.mean(c.minority), np.std(c.minority),
                              "" if c.found_structure is None else c.found_structure,
-                             "" if c.minority_isolated is None else c.minority_isolated])
+                             "" if c.minority_isolated is None else c.minority_isolated,
+                             max(c.noise, default=""), max(c.spent, default="")])
     _plot(cells, methods, epsilons, out / "comparison.png")
     return table
 

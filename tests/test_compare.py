@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -102,4 +103,10 @@ def test_an_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path):
     assert second.results() is not None
     table = (out / "summary.md").read_text()
     assert "| global |" in table and "| local |" in table
+    assert "**Privacy: the silos' noise multiplier z" in table
+    with (out / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["method"] for r in rows} == {"global", "local"}
+    assert all(0 < float(r["max_epsilon_spent"]) <= 5.0 and float(r["max_noise_multiplier"]) > 0
+               for r in rows)
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
