@@ -183,8 +183,9 @@ def collect(runs: Iterable[GridRun]) -> list[Cell]:
             sum(bool(r["clustering"].get("minority_isolated")) for r in results)
             if clustered else None,
             len(results),
-            [max(c["noise_multiplier"] for c in r["clients"]) for r in results],
-            [s["max_epsilon_spent"] for s in summaries]))
+            [max((c["noise_multiplier"] for c in r["clients"]
+                  if c.get("noise_multiplier") is not None), default=0.0) for r in results],
+            [s.get("max_epsilon_spent") or 0.0 for s in summaries]))
     return cells
 
 
@@ -219,7 +220,7 @@ def markdown(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float
         f"{max(by[(m, e)].noise):.3g} · {max(by[(m, e)].spent):.2f}"
         if (m, e) in by and by[(m, e)].spent else "-" for e in epsilons) + " |" for m in methods]
     parts.append("**Privacy: the silos' noise multiplier z · the largest epsilon a silo spent** "
-                 "(largest over seeds; each silo's ledger, never above eps)\n\n"
+                 "(largest over seeds, from the silos' own ledgers)\n\n"
                  f"{header}\n{rule}\n" + "\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
