@@ -6,7 +6,8 @@ message, and checks every 0.5 s whether its ClientApp has replied
 average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example over gRPC the
 shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
 own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
-seconds and a tenth of it. Everything else (gRPC, TLS, node authentication, retries) is Flower's code path.
+seconds and a tenth of it. Everything else (gRPC, TLS, node authentication, retries) is
+Flower's code path.
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
 for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
