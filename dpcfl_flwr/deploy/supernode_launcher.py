@@ -18,6 +18,7 @@ was written against and otherwise runs the SuperNode with Flower's own waits and
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Sequence
@@ -60,17 +61,11 @@ def shorten_waits(loop: ModuleType, version: str, idle_poll: float) -> bool:
 
 
 def split_arguments(argv: Sequence[str]) -> tuple[float, list[str]]:
-    """(--idle-poll value, the rest for flower-supernode)."""
-    rest, idle_poll, args = [], DEFAULT_IDLE_POLL, list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg == "--idle-poll" and args:
-            idle_poll = float(args.pop(0))
-        elif arg.startswith("--idle-poll="):
-            idle_poll = float(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
-    return idle_poll, rest
+    """(--idle-poll value, the rest, in order, for flower-supernode)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL)
+    known, rest = parser.parse_known_args(list(argv))
+    return known.idle_poll, rest
 
 
 def main(argv: Sequence[str] | None = None) -> None:
