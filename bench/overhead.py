@@ -14,8 +14,12 @@ Two transports, the quick example's R-DPCFL rounds (21 silos, N_i = 500):
               runtime (W = 2 cores)
   grpc-per-message  the same, with Flower's fresh ClientApp process for every message
 
+With --by-process, every process's CPU time is sampled from /proc (bench/process_cpu.py) and
+rounds 2..R's capacity (W cores x wall) is split into the silos' work, each role's other CPU
+and idle time: where the overhead goes.
+
   python bench/overhead.py [--rounds 4] [--transports simulation,grpc,grpc-per-message]
-                           [--no-append]
+                           [--idle-poll S] [--cpus-per-client C] [--by-process] [--no-append]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
+from bench.process_cpu import ProcessCpuSampler  # noqa: E402
 from dpcfl_flwr.config import parse_run_config  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment  # noqa: E402
 from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
@@ -45,9 +50,11 @@ def quick(rounds: int, out: Path, scale: dict[str, int]) -> dict:
             "out-dir": str(out), **scale}
 
 
-def simulation(rounds: int, root: Path, scale: dict[str, int]) -> dict:
+def simulation(rounds: int, root: Path, scale: dict[str, int],
+               cpus_per_client: float = 1.0) -> dict:
     out = root / "simulation"
-    run_simulation(parse_run_config(quick(rounds, out, scale)), cpus=WORKERS)
+    run_simulation(parse_run_config(quick(rounds, out, scale)), cpus=WORKERS,
+                   cpus_per_client=cpus_per_client)
     return json.loads((out / "results.json").read_text())
 
 
@@ -80,30 +87,69 @@ def rows(name: str, results: dict) -> tuple[list[str], float]:
     return lines, float(np.mean(fractions))
 
 
+def split_by_process(name: str, results: dict, sampler: ProcessCpuSampler) -> str:
+    """Rounds 2..R's capacity (cores x wall) by where it went: silo work (inside the train
+    handler), every role's other CPU, and idle cores."""
+    later = [r for r in results["rounds"] if r["round"] > 1]
+    capacity = sum(WORKERS * r["seconds"] for r in later)
+    work = sum(r["client_cpu_seconds"] for r in later)
+    by_role: dict[str, float] = {}
+    for r in later:
+        for role, seconds in sampler.cpu_between(*sampler.round_window(r["round"])).items():
+            by_role[role] = by_role.get(role, 0.0) + seconds
+    silo_role = "Ray workers" if name == "simulation" else "ClientApp runtimes"
+    by_role[silo_role] = by_role.get(silo_role, 0.0) - work  # the rest of the silos' CPU
+    lines = [f"| silo work (train handler) | {work:.1f} | {100 * work / capacity:.0f}% |"]
+    for role, seconds in sorted(by_role.items(), key=lambda item: -item[1]):
+        label = f"{role}, outside the handler" if role == silo_role else role
+        lines.append(f"| {label} | {seconds:.1f} | {100 * seconds / capacity:.0f}% |")
+    idle = capacity - work - sum(by_role.values())
+    lines.append(f"| idle cores | {idle:.1f} | {100 * idle / capacity:.0f}% |")
+    return (f"{name}, rounds 2..{later[-1]['round']}: {capacity:.1f} core-seconds "
+            f"({WORKERS} cores x {capacity / WORKERS:.1f} s) by process role\n\n"
+            "| where | CPU (s) | share |\n|---|---|---|\n" + "\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--transports", default="simulation,grpc")
     parser.add_argument("--samples-per-client", type=int,
                         help="N_i (default: the quick example's 500; the paper's is 8000)")
+    parser.add_argument("--cpus-per-client", type=float, default=1.0,
+                        help="Ray CPUs per silo in simulation (2/3: three workers on 2 cores)")
+    parser.add_argument("--idle-poll", type=float,
+                        help="gRPC silos' SuperLink poll when idle (default: the silo file's)")
+    parser.add_argument("--by-process", action="store_true",
+                        help="also split each transport's rounds 2..R by process role")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     scale = {"samples-per-client": args.samples_per_client} if args.samples_per_client else {}
-    table, summary = [], []
+    poll = ("--idle-poll", f"{args.idle_poll:g}") if args.idle_poll else ()
+    table, summary, splits = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.transports.split(","):
             started = time.perf_counter()
-            run = {"simulation": simulation, "grpc": grpc,
-                   "grpc-per-message": lambda r, d, s: grpc(r, d, s, "--process-per-message")}[name]
-            results = run(args.rounds, Path(tmp) / name, scale)
+            run = {"simulation": lambda r, d, s: simulation(r, d, s, args.cpus_per_client),
+                   "grpc": lambda r, d, s: grpc(r, d, s, *poll),
+                   "grpc-per-message": lambda r, d, s: grpc(r, d, s, "--process-per-message",
+                                                            *poll)}[name]
+            root = Path(tmp) / name
+            progress = root / ("simulation" if name == "simulation" else "grpc/run") / (
+                "progress.jsonl")
+            with ProcessCpuSampler(progress if args.by_process else None) as sampler:
+                results = run(args.rounds, root, scale)
             wall = time.perf_counter() - started
             lines, mean = rows(name, results)
             table += lines
             summary.append(f"{name}: mean overhead of rounds 2..{args.rounds} = "
                            f"{100 * mean:.0f}%; whole run {wall:.0f} s wall")
+            if args.by_process:
+                splits.append(split_by_process(name, results, sampler))
     body = ("| transport | round | round wall (s) | client CPU, sum (s) | "
             f"CPU / {WORKERS} cores (s) | overhead |\n|---|---|---|---|---|---|\n"
-            + "\n".join(table) + "\n\n" + "\n".join(f"- {s}" for s in summary))
+            + "\n".join(table) + "\n\n" + "\n".join(f"- {s}" for s in summary)
+            + "".join(f"\n\n{split}" for split in splits))
     scale = f"N_i = {args.samples_per_client}" if args.samples_per_client else "quick example"
     publish(f"Framework overhead per round ({scale}, 21 silos)", body,
             append=not args.no_append)

@@ -2,8 +2,13 @@
 
 Flower 1.39's ``Grid.send_and_receive`` sleeps 3 s between polls over the SuperLink's HTTP
 runtime API, so every round it drives costs at least 3 s; polling ``pull_messages`` every
-50 ms gave ~0.1 s of framework latency per round for 21 clients. Messages are pushed one by one
-so that every message id maps to its silo even when a push fails.
+50 ms gave ~0.1 s of framework latency per round for 21 clients. But over a deployment each
+poll is an HTTPS request the SuperLink serves in Python, and 20 a second for a whole round
+is CPU the silos on a shared machine do not get (bench/RESULTS.md, "by process role"). So the
+wait backs off while nothing arrives (x1.5 up to 0.5 s) and drops back to 50 ms as soon as a
+reply comes in: replies that trickle in are still collected within ~50 ms, and a silent
+stretch costs a poll every half second. Messages are pushed one by one so that every message
+id maps to its silo even when a push fails.
 """
 
 from __future__ import annotations
@@ -18,7 +23,16 @@ from flwr.serverapp import Grid
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.05
+POLL_SECONDS = 0.05  # the wait after a poll that brought a reply
+MAX_POLL_SECONDS = 0.5  # the longest wait between polls
+BACKOFF = 1.5
+
+
+def next_poll_delay(previous: float, got_reply: bool) -> float:
+    """The wait before the next poll: short while replies are arriving, growing while none."""
+    if got_reply:
+        return POLL_SECONDS
+    return min(MAX_POLL_SECONDS, previous * BACKOFF)
 
 
 @dataclass
@@ -46,17 +60,21 @@ def exchange(
             logger.warning("could not push a message to silo %s", key)
             result.missing.append(key)
     deadline = started + timeout
+    delay = POLL_SECONDS / BACKOFF  # the first wait, after an empty first poll, is 50 ms
     while pending:
+        arrived = 0
         for reply in grid.pull_messages(list(pending)):
             if reply.metadata.reply_to_message_id not in pending:
                 continue
             key = pending.pop(reply.metadata.reply_to_message_id)
             result.replies[key] = reply
+            arrived += 1
             if on_reply is not None:
                 on_reply(key, reply)
         if not pending or time.monotonic() >= deadline:
             break
-        time.sleep(POLL_SECONDS)
+        delay = next_poll_delay(delay, arrived > 0)
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
     result.missing.extend(pending.values())
     result.seconds = time.monotonic() - started
     return result

@@ -1,0 +1,84 @@
+"""The round's message exchange: every reply collected, few polls while silos are busy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from flwr.app import Message, MetricRecord, RecordDict
+
+from dpcfl_flwr.strategies.exchange import (
+    BACKOFF,
+    MAX_POLL_SECONDS,
+    POLL_SECONDS,
+    exchange,
+    next_poll_delay,
+)
+
+from .grid_double import GridDouble
+
+
+class SlowGrid(GridDouble):
+    """Replies become visible ``after[node]`` seconds after the push; pulls are counted."""
+
+    def __init__(self, after: dict[int, float]) -> None:
+        super().__init__({node: self._answer for node in after})
+        self.after = after
+        self.visible_at: dict[str, float] = {}
+        self.pulls = 0
+
+    @staticmethod
+    def _answer(message: Message) -> Message:
+        return Message(RecordDict({"m": MetricRecord({"ok": 1})}), reply_to=message)
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        for i, message in zip(ids, self.sent[-len(ids):], strict=True):
+            self.visible_at[i] = time.monotonic() + self.after[message.metadata.dst_node_id]
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        now = time.monotonic()
+        ready = [i for i in message_ids if self.visible_at.get(i, float("inf")) <= now]
+        return super().pull_messages(ready)
+
+
+def _messages(nodes):
+    return {node: Message(RecordDict(), dst_node_id=node, message_type="train")
+            for node in nodes}
+
+
+def test_delay_backs_off_while_nothing_arrives_and_resets_on_a_reply():
+    delay, waits = POLL_SECONDS / BACKOFF, []
+    for _ in range(10):
+        delay = next_poll_delay(delay, got_reply=False)
+        waits.append(delay)
+    assert waits[0] == pytest.approx(POLL_SECONDS)
+    assert all(b >= a for a, b in zip(waits, waits[1:], strict=False))
+    assert waits[-1] == MAX_POLL_SECONDS
+    assert next_poll_delay(MAX_POLL_SECONDS, got_reply=True) == POLL_SECONDS
+
+
+@pytest.mark.usefixtures("server_task_identity")
+def test_a_silent_second_costs_a_handful_of_polls_and_trickling_replies_arrive_fast():
+    # One silo is slow (1.2 s); the others reply 0.1 s apart after it, as silos finish.
+    after = {1: 1.2, 2: 1.3, 3: 1.4, 4: 1.5}
+    grid = SlowGrid(after)
+    started = time.monotonic()
+    result = exchange(grid, _messages(after), timeout=10.0)
+    elapsed = time.monotonic() - started
+    assert sorted(result.replies) == [1, 2, 3, 4] and not result.missing
+    # Polling every 50 ms would take ~30 pulls; backing off takes about a third of that.
+    assert grid.pulls <= 14
+    # The first reply can wait up to one backed-off interval; the rest follow within ~50 ms.
+    assert elapsed <= 1.5 + MAX_POLL_SECONDS + 0.2
+
+
+@pytest.mark.usefixtures("server_task_identity")
+def test_replies_that_never_come_are_missing_after_the_timeout():
+    grid = SlowGrid({1: 0.0, 2: 60.0})
+    started = time.monotonic()
+    result = exchange(grid, _messages([1, 2]), timeout=0.8)
+    assert list(result.replies) == [1] and result.missing == [2]
+    assert time.monotonic() - started < 0.8 + 0.2
