@@ -38,6 +38,16 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("dpcfl", "dpcfl supervisors"),
 )
 DRIVER = "benchmark driver"
+STOLEN = "stolen by the hypervisor"
+OUTSIDE = "processes not started by the benchmark"
+
+
+def _machine() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat: a shared
+    VM's cores can be taken away, which looks like idle time to the processes."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq) / TICKS, steal / TICKS
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
@@ -74,6 +84,7 @@ class ProcessCpuSampler:
     interval: float = 0.25
     times: list[float] = field(default_factory=list)
     samples: list[dict[int, float]] = field(default_factory=list)
+    machine: list[tuple[float, float]] = field(default_factory=list)  # (busy, steal) seconds
     roles: dict[int, str] = field(default_factory=dict)
     round_ends: dict[int, tuple[float, float]] = field(default_factory=dict)  # round: (end, s)
 
@@ -112,6 +123,7 @@ class ProcessCpuSampler:
                 self.roles[pid] = role_of(command)
         self.times.append(time.time())
         self.samples.append(mine)
+        self.machine.append(_machine())
 
     def _read_progress(self) -> None:
         if self.progress is None or not self.progress.exists():
@@ -129,7 +141,7 @@ class ProcessCpuSampler:
     def cpu_between(self, start: float, end: float) -> dict[str, float]:
         """CPU seconds by role from the sample nearest ``start`` to the one nearest ``end``;
         processes born in between count from zero, ones that died count to their last
-        sample."""
+        sample. Also the machine's other busy time and the time its hypervisor took."""
         first_index, last_index = _nearest(self.times, start), _nearest(self.times, end)
         first = self.samples[first_index]
         latest: dict[int, float] = {}
@@ -138,6 +150,9 @@ class ProcessCpuSampler:
         totals: dict[str, float] = defaultdict(float)
         for pid, seconds in latest.items():
             totals[self.roles[pid]] += seconds - first.get(pid, 0.0)
+        (busy0, steal0), (busy1, steal1) = self.machine[first_index], self.machine[last_index]
+        totals[OUTSIDE] = max(0.0, busy1 - busy0 - sum(totals.values()))
+        totals[STOLEN] = steal1 - steal0
         return dict(totals)
 
     def round_window(self, number: int) -> tuple[float, float]:

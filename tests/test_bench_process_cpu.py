@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench.process_cpu import DRIVER, ProcessCpuSampler, role_of
+from bench.process_cpu import DRIVER, STOLEN, ProcessCpuSampler, role_of
 
 BURN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\n"
 
@@ -29,6 +29,7 @@ def test_child_cpu_is_counted_and_rounds_are_placed(tmp_path):
     # The child burned 0.6 s of CPU; at most one 50 ms sample of it can fall outside.
     assert 0.45 <= by_role.get("other", 0.0) <= 0.8
     assert by_role.get(DRIVER, 0.0) < 0.3  # this process mostly waited
+    assert by_role[STOLEN] >= 0.0
     started, finished = sampler.round_window(2)
     assert finished - started == pytest.approx(end - start)
     assert 0.0 <= finished - end < 0.5

@@ -27,12 +27,13 @@ def test_the_installed_flower_loop_still_has_the_waits_the_launcher_shortens():
 
 def test_short_waits_maps_flowers_constants_and_leaves_other_sleeps_alone():
     waits = ShortWaits(0.2)
-    for requested, expected in ((FLOWER_IDLE_WAIT, 0.2), (FLOWER_REPLY_WAIT, 0.02),
-                                (0.1, 0.1)):
+    for requested, expected in ((FLOWER_IDLE_WAIT, 0.2), (FLOWER_REPLY_WAIT, 0.1),
+                                (0.05, 0.05)):
         started = time.perf_counter()
         waits.sleep(requested)
         assert expected <= time.perf_counter() - started < expected + 0.15
     assert waits.monotonic is time.monotonic and waits.time is time.time
+    assert ShortWaits(2.0).reply_poll == 0.2 and ShortWaits(30).reply_poll == FLOWER_REPLY_WAIT
     with pytest.raises(ValueError, match="positive"):
         ShortWaits(0)
 

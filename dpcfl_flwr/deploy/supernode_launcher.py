@@ -6,7 +6,10 @@ message, and checks every 0.5 s whether its ClientApp has replied
 average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example over gRPC the
 shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
 own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
-seconds and a tenth of it. Everything else (gRPC, TLS, node authentication, retries) is
+seconds and a tenth of it, but not below 0.1 s: each reply check takes the SuperNode's state
+locks, and 21 SuperNodes checking every 50 ms used ~0.44 of a core during rounds against
+~0.35 when checking every 0.1-0.2 s (bench/RESULTS.md, "by process role"; those runs also
+differed in idle poll). Everything else (gRPC, TLS, node authentication, retries) is
 Flower's code path.
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
@@ -28,6 +31,7 @@ PATCHED_FLOWER = "1.39.0"
 FLOWER_IDLE_WAIT = 3.0  # seconds Flower sleeps after a poll that brought no message
 FLOWER_REPLY_WAIT = 0.5  # seconds between its checks for the ClientApp's reply
 DEFAULT_IDLE_POLL = 0.5
+MIN_REPLY_POLL = 0.1
 
 
 class ShortWaits:
@@ -38,7 +42,7 @@ class ShortWaits:
         if idle_poll <= 0:
             raise ValueError(f"idle poll must be positive, got {idle_poll}")
         self.idle_poll = idle_poll
-        self.reply_poll = min(FLOWER_REPLY_WAIT, idle_poll / 10)
+        self.reply_poll = min(FLOWER_REPLY_WAIT, max(MIN_REPLY_POLL, idle_poll / 10))
 
     def sleep(self, seconds: float) -> None:
         if seconds == FLOWER_IDLE_WAIT:
