@@ -6,10 +6,8 @@ message, and checks every 0.5 s whether its ClientApp has replied
 average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example over gRPC the
 shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
 own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
-seconds and a tenth of it, but not below 0.1 s: each reply check takes the SuperNode's state
-locks, and 21 SuperNodes checking every 50 ms used ~0.44 of a core during rounds against
-~0.35 when checking every 0.1-0.2 s (bench/RESULTS.md, "by process role"; those runs also
-differed in idle poll). Everything else (gRPC, TLS, node authentication, retries) is
+seconds and a tenth of it, but not below 0.1 s (a reply then leaves at most 0.1 s late;
+checking faster only adds turns of the SuperNode's locked state scan). Everything else (gRPC, TLS, node authentication, retries) is
 Flower's code path.
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
