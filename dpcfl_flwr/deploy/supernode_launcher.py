@@ -7,8 +7,8 @@ average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example o
 shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
 own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
 seconds and a tenth of it, but not below 0.1 s (a reply then leaves at most 0.1 s late;
-checking faster only adds turns of the SuperNode's locked state scan). Everything else (gRPC, TLS, node authentication, retries) is
-Flower's code path.
+checking faster only adds turns of the SuperNode's locked state scan). Everything else
+(gRPC, TLS, node authentication, retries) is Flower's code path.
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
 for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
