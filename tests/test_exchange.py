@@ -6,12 +6,14 @@ import time
 
 import pytest
 from flwr.app import Message, MetricRecord, RecordDict
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from dpcfl_flwr.strategies.exchange import (
     BACKOFF,
     MAX_POLL_SECONDS,
     POLL_SECONDS,
     exchange,
+    longest_poll,
     next_poll_delay,
 )
 
@@ -58,6 +60,13 @@ def test_delay_backs_off_while_nothing_arrives_and_resets_on_a_reply():
     assert all(b >= a for a, b in zip(waits, waits[1:], strict=False))
     assert waits[-1] == MAX_POLL_SECONDS
     assert next_poll_delay(MAX_POLL_SECONDS, got_reply=True) == POLL_SECONDS
+    assert next_poll_delay(POLL_SECONDS, got_reply=False, ceiling=POLL_SECONDS) == POLL_SECONDS
+
+
+def test_only_a_remote_grid_is_polled_less_often():
+    # Flower's simulation engine serves the ServerApp an InMemoryGrid (no state needed here).
+    assert longest_poll(InMemoryGrid.__new__(InMemoryGrid)) == POLL_SECONDS
+    assert longest_poll(SlowGrid({})) == MAX_POLL_SECONDS
 
 
 @pytest.mark.usefixtures("server_task_identity")

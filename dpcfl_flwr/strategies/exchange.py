@@ -7,8 +7,9 @@ poll is an HTTPS request the SuperLink serves in Python, and 20 a second for a w
 is CPU the silos on a shared machine do not get (bench/RESULTS.md, "by process role"). So the
 wait backs off while nothing arrives (x1.5 up to 0.5 s) and drops back to 50 ms as soon as a
 reply comes in: replies that trickle in are still collected within ~50 ms, and a silent
-stretch costs a poll every half second. Messages are pushed one by one so that every message
-id maps to its silo even when a push fails.
+stretch costs a poll every half second. In Flower's simulation engine the grid is in the
+same process and a poll costs next to nothing, so there it stays at 50 ms. Messages are pushed
+one by one so that every message id maps to its silo even when a push fails.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import Message
 from flwr.serverapp import Grid
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +30,17 @@ MAX_POLL_SECONDS = 0.5  # the longest wait between polls
 BACKOFF = 1.5
 
 
-def next_poll_delay(previous: float, got_reply: bool) -> float:
+def longest_poll(grid: Grid) -> float:
+    """How far the wait may grow: polling an in-process grid costs nothing worth saving."""
+    return POLL_SECONDS if isinstance(grid, InMemoryGrid) else MAX_POLL_SECONDS
+
+
+def next_poll_delay(previous: float, got_reply: bool, ceiling: float = MAX_POLL_SECONDS
+                    ) -> float:
     """The wait before the next poll: short while replies are arriving, growing while none."""
     if got_reply:
         return POLL_SECONDS
-    return min(MAX_POLL_SECONDS, previous * BACKOFF)
+    return min(ceiling, previous * BACKOFF)
 
 
 @dataclass
@@ -60,7 +68,7 @@ def exchange(
             logger.warning("could not push a message to silo %s", key)
             result.missing.append(key)
     deadline = started + timeout
-    delay = POLL_SECONDS / BACKOFF  # the first wait, after an empty first poll, is 50 ms
+    delay, ceiling = POLL_SECONDS / BACKOFF, longest_poll(grid)  # first wait: 50 ms
     while pending:
         arrived = 0
         for reply in grid.pull_messages(list(pending)):
@@ -73,7 +81,7 @@ def exchange(
                 on_reply(key, reply)
         if not pending or time.monotonic() >= deadline:
             break
-        delay = next_poll_delay(delay, arrived > 0)
+        delay = next_poll_delay(delay, arrived > 0, ceiling)
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
     result.missing.extend(pending.values())
     result.seconds = time.monotonic() - started
