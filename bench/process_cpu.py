@@ -9,7 +9,6 @@ CPU, and how much of the machine sat idle. Linux only (reads /proc).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -17,6 +16,8 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dpcfl_flwr.progress import ProgressTail
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -91,7 +92,7 @@ class ProcessCpuSampler:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._progress_offset = 0
+        self._tail = None if self.progress is None else ProgressTail(self.progress)
 
     def __enter__(self) -> ProcessCpuSampler:
         self._thread.start()
@@ -126,17 +127,11 @@ class ProcessCpuSampler:
         self.machine.append(_machine())
 
     def _read_progress(self) -> None:
-        if self.progress is None or not self.progress.exists():
+        if self._tail is None:
             return
-        with self.progress.open() as handle:
-            handle.seek(self._progress_offset)
-            for line in handle:
-                if not line.endswith("\n"):
-                    break
-                self._progress_offset += len(line.encode())
-                event = json.loads(line)
-                if event.get("event") == "round":
-                    self.round_ends[event["round"]] = (time.time(), event["seconds"])
+        for event in self._tail.new_events():
+            if event.get("event") == "round":
+                self.round_ends[event["round"]] = (time.time(), event["seconds"])
 
     def cpu_between(self, start: float, end: float) -> dict[str, float]:
         """CPU seconds by role from the sample nearest ``start`` to the one nearest ``end``;

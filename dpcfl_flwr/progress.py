@@ -35,18 +35,39 @@ def describe_round(row: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+class ProgressTail:
+    """The events appended to a ``progress.jsonl`` since the last call; a line still being
+    written is left for the next call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new_events(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        events = []
+        with self.path.open() as handle:
+            handle.seek(self.offset)
+            for line in handle:
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode())
+                events.append(json.loads(line))
+        return events
+
+
 class ProgressFollower(threading.Thread):
     """Tails ``progress.jsonl`` and shows round, stage, cluster sizes, accuracy and epsilon."""
 
     def __init__(self, out_dir: Path, rounds: int, console: Console) -> None:
         super().__init__(daemon=True)
-        self.path = out_dir / "progress.jsonl"
+        self.tail = ProgressTail(out_dir / "progress.jsonl")
         self.stop_event = threading.Event()
         self.progress = Progress(
             TextColumn("round {task.completed}/{task.total}"), BarColumn(),
             TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
         self.task = self.progress.add_task("starting Flower simulation (Ray) ...", total=rounds)
-        self.offset = 0
 
     def run(self) -> None:
         with self.progress:
@@ -55,15 +76,8 @@ class ProgressFollower(threading.Thread):
             self._read()
 
     def _read(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open() as handle:
-            handle.seek(self.offset)
-            for line in handle:
-                if not line.endswith("\n"):
-                    break
-                self.offset += len(line.encode())
-                self._show(json.loads(line))
+        for event in self.tail.new_events():
+            self._show(event)
 
     def _show(self, event: dict[str, Any]) -> None:
         if event.get("event") == "start":
