@@ -153,6 +153,29 @@ def round_cost(
     return GaussianSteps(noise_multiplier, batch / num_samples, steps, round_number)
 
 
+class DPSGDStepper:
+    """The per-step machinery of local DP-SGD on one model (engine hooks, noise source, chunk
+    size), set up once so a round's steps, and the benchmark's paired steps, share it."""
+
+    def __init__(
+        self, model: nn.Module, config: DPSGDConfig, expected_batch: float, *,
+        noise_seed: int | None = None, prox: ProxTerm | None = None,
+    ) -> None:
+        self.config, self.expected_batch, self.prox = config, expected_batch, prox
+        self.engine = make_engine(model, config.grad_sample_mode)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.chunk = chunk_size(model, config.physical_batch_size)
+        self.noise = secure_generator(noise_seed)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One noisy SGD step on the logical batch (x, y)."""
+        clipped = _clipped_sum(self.engine, self.params, x, y, self.config.clip_norm, self.chunk)
+        _noisy_step(self.params, clipped, self.config, self.expected_batch, self.noise, self.prox)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def train_dp(
     model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig,
     *, round_number: int | None = None, seed: int | None = None,
@@ -170,11 +193,10 @@ def train_dp(
     cost = round_cost(n, config.batch_size, config.epochs, config.noise_multiplier, round_number)
     full, rate, steps = cost.sample_rate == 1.0, cost.sample_rate, cost.steps
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    engine = make_engine(model, config.grad_sample_mode)
-    params = [p for p in model.parameters() if p.requires_grad]
-    chunk = chunk_size(model, config.physical_batch_size)
-    sampler, noise = secure_generator(seed), secure_generator(None if seed is None else seed + 1)
     prox_term = None if prox is None else ProxTerm.for_model(model, prox[0], prox[1])
+    stepper = DPSGDStepper(model, config, rate * n, prox=prox_term,
+                           noise_seed=None if seed is None else seed + 1)
+    sampler = secure_generator(seed)
     model.train()
     sampled = 0
     try:
@@ -185,10 +207,9 @@ def train_dp(
                 mask = torch.rand(n, generator=sampler) < rate
                 xb, yb = x_train[mask], y_train[mask]
             sampled += int(xb.shape[0])
-            clipped = _clipped_sum(engine, params, xb, yb, config.clip_norm, chunk)
-            _noisy_step(params, clipped, config, rate * n, noise, prox_term)
+            stepper.step(xb, yb)
     finally:
-        engine.close()
+        stepper.close()
     update = {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
     return TrainResult(update, [cost], n, steps, sampled)
 
