@@ -110,6 +110,8 @@ class RunRecorder:
             "minority_test_accuracy": _mean(minority_acc),
             "max_epsilon_spent": max(spent) if spent else None,
             "client_cpu_seconds": round(sum(report.client_cpu_seconds.values()), 3),
+            "silo_cpu_seconds": {str(p): round(c, 3)
+                                 for p, c in sorted(report.client_cpu_seconds.items())},
             "test_accuracy": {str(p): a for p, a in tested.items()},
         }
 

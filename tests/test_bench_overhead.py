@@ -1,0 +1,41 @@
+"""The overhead bench's packing floor: a true lower bound on a round's makespan, and tight for
+the simulation's case of near-equal silos."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from bench.overhead import packing_bound
+
+
+def optimal_makespan(times: list[float], workers: int) -> float:
+    """Brute force: every assignment of jobs to workers (jobs run to the end, one at a time)."""
+    best = float("inf")
+    for assignment in itertools.product(range(workers), repeat=len(times)):
+        loads = [0.0] * workers
+        for job, worker in zip(times, assignment, strict=True):
+            loads[worker] += job
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bound_never_exceeds_the_best_schedule(seed: int) -> None:
+    rng = random.Random(seed)
+    workers = rng.choice([2, 3])
+    times = [rng.uniform(0.5, 1.5) for _ in range(rng.randint(1, 9 if workers == 2 else 7))]
+    assert packing_bound(times, workers) <= optimal_makespan(times, workers) + 1e-9
+
+
+def test_equal_silos_on_two_workers_need_the_larger_half() -> None:
+    # 21 silos of 0.5 s on 2 workers: 11 back to back, not 10.5.
+    assert packing_bound([0.5] * 21, 2) == pytest.approx(5.5)
+    assert optimal_makespan([0.5] * 7, 2) == pytest.approx(packing_bound([0.5] * 7, 2))
+
+
+def test_one_long_job_sets_the_floor() -> None:
+    assert packing_bound([5.0, 1.0, 1.0], 2) == pytest.approx(5.0)
+    assert packing_bound([1.0, 1.0, 1.0, 1.0], 2) == pytest.approx(2.0)
