@@ -34,7 +34,9 @@ from .protocol import (
     integer,
     metric_record,
     number,
+    pack_state,
     reply,
+    unpack_state,
 )
 from .silo import BudgetExceeded, Schedule, Silo
 from .training import DPSGDConfig
@@ -76,8 +78,8 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     return wrapped
 
 
-def _state(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return record.to_torch_state_dict()
+def _state(record: ArrayRecord, silo: Silo) -> dict[str, torch.Tensor]:
+    return unpack_state(record, silo.template())
 
 
 @app.query()
@@ -110,14 +112,14 @@ def train(message: Message, context: Context) -> Message:
     records = message.content.array_records
     if selecting:
         n_clusters = sum(1 for key in records if key.startswith("cluster-"))
-        candidates = [_state(records[cluster_key(m)]) for m in range(n_clusters)]
+        candidates = [_state(records[cluster_key(m)], silo) for m in range(n_clusters)]
         cluster = silo.select(candidates, plan, server_round)
         start = candidates[cluster]
     else:
-        start = _received_or_own(message, context)
+        start = _received_or_own(message, context, silo)
     prox = None
     if ANCHOR in records and str(config.get("prox-variant", "correct")) == "correct":
-        prox = (number(config, "prox-lambda"), _state(records[ANCHOR]))
+        prox = (number(config, "prox-lambda"), _state(records[ANCHOR], silo))
     dp = DPSGDConfig(plan.noise_multiplier, number(config, "clip-norm"),
                      number(config, "learning-rate"), batch, schedule.local_epochs,
                      silo.experiment.physical_batch_size or None)
@@ -132,17 +134,18 @@ def train(message: Message, context: Context) -> Message:
         trained = {k: start[k] + update[k] for k in start}
         context.state[OWN_MODEL] = ArrayRecord(trained)
     else:
-        content[UPDATE] = ArrayRecord(update)
+        content[UPDATE] = pack_state(update)
     return reply(message, content)
 
 
-def _received_or_own(message: Message, context: Context) -> dict[str, torch.Tensor]:
+def _received_or_own(message: Message, context: Context,
+                     silo: Silo) -> dict[str, torch.Tensor]:
     """The weights the server sent, or the silo's own model when it sent none (Local)."""
     records = message.content.array_records
     if ARRAYS in records:
-        return _state(records[ARRAYS])
+        return _state(records[ARRAYS], silo)
     if OWN_MODEL in context.state.array_records:
-        return _state(context.state.array_records[OWN_MODEL])
+        return _state(context.state.array_records[OWN_MODEL], silo)
     raise ValueError("no model received and no own model kept from an earlier round "
                      f"(state has {sorted(context.state.keys())})")
 
@@ -152,6 +155,6 @@ def _received_or_own(message: Message, context: Context) -> dict[str, torch.Tens
 def evaluate(message: Message, context: Context) -> Message:
     silo = _open_silo(context)
     config = config_of(message)
-    metrics = silo.test(_received_or_own(message, context))
+    metrics = silo.test(_received_or_own(message, context, silo))
     metrics.update({"cluster": integer(config, "cluster"), "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

@@ -25,6 +25,13 @@ One record layout per message kind (Flower records only, no loose dicts):
     wall time would count the waits of silos sharing cores);
   or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
 
+Every model (``arrays``, ``cluster-m``, ``anchor``, ``update``) travels packed: one float32
+Array ``packed`` holding the tensors in state-dict order (:func:`pack`); both ends know the
+model, so names and shapes need not travel. Flower moves each Array and each of its chunks as
+a separate object, one request each (signed and verified under node authentication): the
+CNN's six tensors made a one-model message 15 objects and a four-candidate one 54; packed
+they are 5 and 14. Named records are still read.
+
 ``evaluate`` (server -> silo)
     ``arrays``: the model the silo would use; ``config``: ``server-round``, ``cluster``
   reply ``metrics``: ``num-examples``, ``test-loss``, ``test-accuracy``, ``cluster``,
@@ -37,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 ARRAYS = "arrays"
@@ -46,6 +54,7 @@ METRICS = "metrics"
 SILO = "silo"
 ANCHOR = "anchor"
 CLUSTER_PREFIX = "cluster-"
+PACKED = "packed"
 OWN_MODEL = "own-model"
 SELECT = -1
 #: Train / evaluate the silo's own model, kept in its state (Local); no weights are sent.
@@ -62,7 +71,41 @@ def cluster_key(cluster: int) -> str:
 
 
 def arrays_from_vector(vector: np.ndarray, layout: ModelLayout) -> ArrayRecord:
+    """Named tensors: for results a person or Flower's own tools read, not for the wire."""
     return ArrayRecord({k: Array(v) for k, v in layout.unflatten(vector).items()})
+
+
+def pack(vector: np.ndarray) -> ArrayRecord:
+    """A model's flat float32 vector as the one-Array record messages carry."""
+    return ArrayRecord({PACKED: Array(np.ascontiguousarray(vector, dtype=np.float32))})
+
+
+def pack_state(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    return pack(torch.cat([t.detach().reshape(-1).float() for t in state.values()]).numpy())
+
+
+def _packed_vector(record: ArrayRecord, size: int) -> np.ndarray | None:
+    """The vector of a packed record (checked against the model's size), None if named."""
+    if list(record.keys()) != [PACKED]:
+        return None
+    vector = record[PACKED].numpy().reshape(-1)
+    if vector.shape[0] != size:
+        raise ValueError(f"packed model has {vector.shape[0]} values, the model {size}")
+    return vector
+
+
+def unpack_state(record: ArrayRecord, template: Mapping[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """Tensors named and shaped as ``template`` (a state dict of the same model)."""
+    size = sum(t.numel() for t in template.values())
+    vector = _packed_vector(record, size)
+    if vector is None:
+        return record.to_torch_state_dict()
+    flat, out, start = torch.from_numpy(vector.copy()), {}, 0
+    for name, like in template.items():
+        out[name] = flat[start:start + like.numel()].reshape(like.shape).to(like.dtype)
+        start += like.numel()
+    return out
 
 
 class ModelLayout:
@@ -81,6 +124,9 @@ class ModelLayout:
         return cls(list(record.keys()), [a.shape for a in arrays])
 
     def flatten(self, record: ArrayRecord) -> np.ndarray:
+        packed = _packed_vector(record, self.size)
+        if packed is not None:
+            return packed.astype(np.float32, copy=False)
         if list(record.keys()) != self.names:
             raise ValueError("array record does not have the model's tensors")
         return np.concatenate(

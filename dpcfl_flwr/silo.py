@@ -187,10 +187,16 @@ class Silo:
             )
 
     def new_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        channels = 3 if self.experiment.dataset == "cifar10" else 1
-        model = build_model(self.experiment.model, in_channels=channels)
+        model = build_model(self.experiment.model, in_channels=self._channels())
         model.load_state_dict(state)
         return model
+
+    def template(self) -> dict[str, torch.Tensor]:
+        """The model's tensor names and shapes, to unpack the one-Array models messages carry."""
+        return _template(self.experiment.model, self._channels())
+
+    def _channels(self) -> int:
+        return 3 if self.experiment.dataset == "cifar10" else 1
 
     def select(self, candidates: list[dict[str, torch.Tensor]], plan: SiloPlan,
                round_number: int) -> int:
@@ -228,3 +234,9 @@ class Silo:
         loss, accuracy = evaluate(self.new_model(state), self.data.x_test, self.data.y_test)
         return {"num-examples": int(self.data.x_test.shape[0]), "test-loss": loss,
                 "test-accuracy": accuracy}
+
+
+@functools.lru_cache(maxsize=4)
+def _template(model: str, channels: int) -> dict[str, torch.Tensor]:
+    # Built once per process: a warm runtime answers every round of its silo.
+    return {k: v.detach() for k, v in build_model(model, in_channels=channels).state_dict().items()}

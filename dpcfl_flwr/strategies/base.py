@@ -38,6 +38,7 @@ from ..protocol import (
     cluster_key,
     integer,
     number,
+    pack,
 )
 from ..silo import Schedule
 from .aggregation import cluster_means
@@ -167,8 +168,7 @@ class ClusteredStrategy(Strategy):
     def model_record(self, cluster: int) -> ArrayRecord | None:
         if cluster == OWN:
             return None
-        vector = self.initial if cluster == INITIAL else self.models[cluster]
-        return arrays_from_vector(vector, self.layout)
+        return pack(self.initial if cluster == INITIAL else self.models[cluster])
 
     def train_config(self, server_round: int, cluster: int) -> dict[str, Any]:
         e = self.experiment
@@ -376,7 +376,7 @@ class ClusteredStrategy(Strategy):
             if self.observer is not None:
                 self.observer.round_done(self, report)
         if self.models:
-            result.arrays = self._record(0)
+            result.arrays = arrays_from_vector(self.models[0], self.layout)
         return result
 
     def _log_round(self, report: RoundReport) -> None:

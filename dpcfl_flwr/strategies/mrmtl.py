@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ..config import ExperimentConfig
-from ..protocol import ANCHOR, arrays_from_vector
+from ..protocol import ANCHOR, pack
 from .base import ClusteredStrategy, RunObserver
 
 
@@ -54,7 +54,7 @@ class MRMTL(ClusteredStrategy):
                 "prox-variant": self.experiment.mrmtl_variant}
 
     def extra_records(self, server_round: int, partition: int) -> dict[str, Any]:
-        return {ANCHOR: arrays_from_vector(self.anchor(), self.layout)}
+        return {ANCHOR: pack(self.anchor())}
 
     def results(self) -> dict[str, Any]:
         return {"mrmtl_variant": self.experiment.mrmtl_variant,
