@@ -238,5 +238,7 @@ class Silo:
 
 @functools.lru_cache(maxsize=4)
 def _template(model: str, channels: int) -> dict[str, torch.Tensor]:
-    # Built once per process: a warm runtime answers every round of its silo.
-    return {k: v.detach() for k, v in build_model(model, in_channels=channels).state_dict().items()}
+    # Built once per process (a warm runtime answers every round of its silo); meta tensors
+    # keep names, shapes and dtypes without holding a second copy of the weights.
+    return {k: v.detach().to("meta")
+            for k, v in build_model(model, in_channels=channels).state_dict().items()}
