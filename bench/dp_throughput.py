@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,28 +44,35 @@ def _data(model: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def torch_tensors(name, x, y, batch):
+def plain_sgd(name: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One non-private SGD step on a fresh model: the hardware limit every loop compares to."""
     model = build_model(name, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+
+    return step
+
+
+def torch_tensors(name, x, y, batch):
+    step = plain_sgd(name)
     perm = torch.randperm(x.shape[0])
     start = time.perf_counter()
     for i in range(0, x.shape[0], batch):
         idx = perm[i:i + batch]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
+        step(x[idx], y[idx])
     return x.shape[0] / (time.perf_counter() - start)
 
 
 def torch_loader(name, x, y, batch):
-    model = build_model(name, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = plain_sgd(name)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
     start = time.perf_counter()
     for xb, yb in loader:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
-        opt.step()
+        step(xb, yb)
     return x.shape[0] / (time.perf_counter() - start)
 
 
@@ -136,19 +144,11 @@ def paired_steps(name: str, batch: int, steps: int, warmup: int = 50) -> dict[st
     """Seconds spent in our DP-SGD steps and in non-private SGD steps on the same Poisson
     batches, alternating step by step (which goes first alternates too)."""
     x, y = _data(name)
-    plain = build_model(name, seed=0)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
     private = build_model(name, seed=0)
     stepper = DPSGDStepper(private, DPSGDConfig(1.0, 1.0, 0.01, batch), float(batch))
     sampler = torch.Generator().manual_seed(1)
-
-    def plain_step(xb: torch.Tensor, yb: torch.Tensor) -> None:
-        opt.zero_grad()
-        nn.functional.cross_entropy(plain(xb), yb).backward()
-        opt.step()
-
     spent = {"ours": 0.0, "non-private": 0.0}
-    contenders = {"ours": stepper.step, "non-private": plain_step}
+    contenders = {"ours": stepper.step, "non-private": plain_sgd(name)}
     try:
         for step in range(warmup + steps):
             mask = torch.rand(x.shape[0], generator=sampler) < batch / x.shape[0]
