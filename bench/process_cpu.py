@@ -17,9 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpcfl_flwr.deploy.processes import TICKS, parent_and_cpu
 from dpcfl_flwr.progress import ProgressTail
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 # First match on the command line wins; order matters (a supervisor's command line names the
 # silo file, the SuperNode's names the launcher module).
@@ -49,16 +48,6 @@ def _machine() -> tuple[float, float]:
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
     return (user + nice + system + irq + softirq) / TICKS, steal / TICKS
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of a live process, or None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def _cmdline(pid: int) -> str:
@@ -113,7 +102,7 @@ class ProcessCpuSampler:
     def _sample(self, root: int) -> None:
         parents, cpu = {}, {}
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            if entry.isdigit() and (stat := parent_and_cpu(int(entry))) is not None:
                 parents[int(entry)], cpu[int(entry)] = stat
         mine = {pid: seconds for pid, seconds in cpu.items() if _descends(pid, root, parents)}
         for pid in mine:  # read every time: a fresh fork shows its parent's command line

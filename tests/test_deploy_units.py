@@ -1,10 +1,14 @@
-"""Deployment pieces without processes: certificates, silo files, commands, validation."""
+"""Deployment pieces without a deployment: certificates, silo files, commands, validation, the
+process table, the launcher's exit."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from dpcfl_flwr.config import ConfigError
 from dpcfl_flwr.deploy.certs import make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
+from dpcfl_flwr.deploy.processes import descendants
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
     load_silo_file,
@@ -22,6 +27,7 @@ from dpcfl_flwr.deploy.silo_file import (
     supernode_command,
 )
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
+from dpcfl_flwr.deploy.supernode_launcher import exit_code_of
 
 
 def test_certificates_chain_to_the_ca_and_name_what_silos_dial(tmp_path):
@@ -120,3 +126,27 @@ def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path
                           str(free_port()), "--dry-run"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "TLS needs root-certificates" in bad.stderr
+
+
+def test_descendants_finds_grandchildren_and_nothing_else():
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30; wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := descendants(shell.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        commands = {Path(f"/proc/{pid}/cmdline").read_bytes() for pid in found}
+        assert commands == {b"sleep\x0030\x00"} and len(found) == 2
+        assert shell.pid in descendants(os.getpid()) and os.getpid() not in found
+    finally:
+        for pid in descendants(shell.pid):
+            os.kill(pid, signal.SIGKILL)
+        shell.wait()
+
+
+@pytest.mark.parametrize(("run", "code"), [
+    (lambda: None, 0), (lambda: sys.exit(), 0), (lambda: sys.exit(3), 3),
+    (lambda: sys.exit("a reason"), 1), (lambda: 1 / 0, 1)])
+def test_the_launcher_exits_with_the_supernodes_own_code(run, code, capsys):
+    assert exit_code_of(run) == code
+    if code == 1:
+        assert capsys.readouterr().err  # the reason or the traceback is printed

@@ -4,13 +4,17 @@ and node authentication, driven by `flwr run` exactly as on real machines.
 Covers: a complete run; a silo killed in the middle of a round (the run goes on and the results
 name it) that restarts, rejoins and continues its ledger; a silo whose budget is spent refusing
 to train; a SuperNode with a certificate from another CA and one with an unregistered key being
-refused. The compose file is validated with Debian's docker-compose.
+refused; no process outliving a killed silo or the deployment. The compose file is validated
+with Debian's docker-compose.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +24,7 @@ import pytest
 from dpcfl_flwr.data import Topology
 from dpcfl_flwr.deploy.compose import ComposeOptions, compose_yaml, silo_files
 from dpcfl_flwr.deploy.localhost import LocalDeployment, free_port
+from dpcfl_flwr.deploy.processes import descendants
 from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +40,31 @@ def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout: float) 
         time.sleep(1)
 
 
+def _processes_under(root: Path) -> set[int]:
+    """Processes whose command line names a path under ``root``: this deployment's."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and str(root).encode() in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pids: set[int], grace: float = 15) -> set[int]:
+    """Which of ``pids`` still run (zombies do not count) after up to ``grace`` s."""
+    deadline = time.monotonic() + grace
+    while True:
+        running = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if stat[stat.rindex(")") + 2] != "Z":
+                    running.add(pid)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.5)
+
+
 def _results(path: Path) -> dict:
     return json.loads((path / "results.json").read_text())
 
@@ -47,6 +77,7 @@ def deployment(tmp_path_factory):
         dep.silo(i)
     yield dep
     dep.down()
+    assert not _alive(_processes_under(dep.root)), "processes outlived the deployment"
 
 
 @pytest.mark.slow
@@ -80,8 +111,7 @@ def test_a_killed_silo_is_dropped_rejoins_and_keeps_its_ledger_and_a_spent_one_r
     root = deployment.root
     # Fresh budgets for this run: every silo gets a new ledger file ...
     for i in range(SILOS):
-        deployment.kill(f"silo-{i:02d}")
-    time.sleep(1)
+        deployment.stop(f"silo-{i:02d}")
     ledgers = root / "ledgers-faults"
     # ... except silo 3, whose earlier runs already spent eps = 9.993 of 10.
     spent = PrivacyLedger([GaussianSteps(0.5249, 1.0, 1, round=1)])
@@ -130,6 +160,20 @@ def test_a_foreign_certificate_and_an_unregistered_key_are_refused(deployment):
     assert "SSL/TLS handshake error" in deployment.log("foreign")
     assert "Failed to activate SuperNode" in deployment.log("rogue")
     assert not (root / "foreign.json").exists() and not (root / "rogue.json").exists()
+
+
+@pytest.mark.slow
+def test_a_silo_whose_supervisor_is_killed_leaves_no_process_behind(deployment):
+    # What a hard kill of `dpcfl client` does (kill -9, an OOM kill): its SuperNode and
+    # ClientApp runtime, in sessions of their own, get the parent-death signal and must end.
+    supervisor = deployment.processes.pop("silo-00")
+    deadline = time.monotonic() + 60
+    while len(helpers := descendants(supervisor.pid)) < 2:
+        assert time.monotonic() < deadline, "silo 0 did not start its SuperNode and runtime"
+        time.sleep(0.5)
+    os.killpg(supervisor.pid, signal.SIGKILL)
+    supervisor.wait()
+    assert not _alive(helpers, grace=30)
 
 
 def test_committed_compose_file_and_silo_files_match_the_generator():

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from .processes import descendants
+
 DPCFL = [str(Path(sys.executable).parent / "dpcfl")]
 FLWR = str(Path(sys.executable).parent / "flwr")
 
@@ -52,10 +54,17 @@ class LocalDeployment:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
     def kill(self, name: str) -> None:
-        """SIGKILL the silo's whole process group: no goodbye to the SuperLink."""
+        """SIGKILL the silo and everything it started: no goodbye to the SuperLink."""
+        _kill_all([self.processes.pop(name)])
+
+    def stop(self, name: str, timeout: float = 30) -> None:
+        """Stop the silo as an operator would (SIGTERM, its SuperNode leaves the SuperLink);
+        whatever is left after ``timeout`` s is killed."""
         process = self.processes.pop(name)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout)
+        _kill_all([process])
 
     def up(self, *server_options: str) -> None:
         """Certificates (one spare, unregistered node key), silo files, the SuperLink."""
@@ -88,9 +97,7 @@ class LocalDeployment:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def down(self) -> None:
-        for name in list(self.processes):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.processes[name].pid, signal.SIGKILL)
+        _kill_all(list(self.processes.values()))
         self.processes.clear()
 
     def wait_ready(self, server: str = "server", timeout: float = 120) -> None:
@@ -99,3 +106,19 @@ class LocalDeployment:
             if self.processes[server].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the SuperLink did not come up:\n{self.log(server)}")
             time.sleep(0.5)
+
+
+def _kill_all(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL these processes and every process below them. A silo's SuperNode and ClientApp
+    runtime run in sessions of their own (their supervisor stops them as a group), so killing
+    the supervisor's group alone would leave them to their parent-death signal: a graceful
+    exit that says goodbye to the SuperLink, and a straggler if that exit stalls."""
+    tree = {pid for process in processes for pid in descendants(process.pid)}
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for process in processes:
+        process.wait()

@@ -14,15 +14,23 @@ The waits are module-level ``time.sleep`` calls, so the launcher swaps that modu
 for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
 was written against and otherwise runs the SuperNode with Flower's own waits and says so.
 
+When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
+ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
+channel's finaliser could block the interpreter's shutdown for good (seen here: orphaned
+SuperNodes stuck in ``Channel.__del__`` after a deployment was torn down, and Flower's own
+force-exit thread cannot run once the interpreter is finalising).
+
   python -m dpcfl_flwr.deploy.supernode_launcher --idle-poll 0.5 <flower-supernode arguments>
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 PATCHED_FLOWER = "1.39.0"
@@ -83,7 +91,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"dpcfl: flwr {flwr.__version__} is not {PATCHED_FLOWER}; the SuperNode keeps "
               "Flower's own poll waits", file=sys.stderr, flush=True)
     sys.argv = ["flower-supernode", *rest]
-    flower_supernode()
+    code = exit_code_of(flower_supernode)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not the interpreter's shutdown: see the module docstring
+
+
+def exit_code_of(run: Callable[[], object]) -> int:
+    """Run ``run`` to its end and say how the process should exit: the code a ``SystemExit``
+    carries (Flower exits that way, also on signals), 1 after printing any other error."""
+    try:
+        run()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - reported here, the process ends right after
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""The local process table as a deployment and its benchmarks need it (Linux: /proc)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def parent_and_cpu(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds so far) of a live process, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def live_parents() -> dict[int, int]:
+    """pid -> parent pid of every live process."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := parent_and_cpu(int(entry))) is not None:
+            parents[int(entry)] = stat[0]
+    return parents
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root``: children, their children, and so on."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in live_parents().items():
+        children.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    pending = list(children.get(root, []))
+    while pending:
+        pid = pending.pop()
+        found.add(pid)
+        pending.extend(children.get(pid, []))
+    return found
