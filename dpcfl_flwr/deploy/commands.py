@@ -241,8 +241,7 @@ def client(
         return
     sys.stdout.flush()
     use_this_environment()
-    runtime: RuntimeCommand | None = (
-        (lambda pid: warm_runtime_command(silo, pid)) if silo.warm else None)
+    runtime = warm_runtime_command(silo) if silo.warm else None
     raise typer.Exit(code=_supervise(command, rejoin_wait, runtime))
 
 
@@ -254,10 +253,7 @@ _ACTIVATION_REFUSED = "Failed to activate SuperNode"
 _MESSAGE_STORED = "Received successfully"
 
 
-RuntimeCommand = Callable[[int], list[str]]  # SuperNode pid -> the warm runtime's command
-
-
-def _supervise(command: list[str], rejoin_wait: float, warm: RuntimeCommand | None) -> int:
+def _supervise(command: list[str], rejoin_wait: float, warm: list[str] | None) -> int:
     """Run the SuperNode, passing its output through; retry activation refusals for
     ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
     session expire). TLS failures and every other error end the silo at once."""
@@ -271,7 +267,7 @@ def _supervise(command: list[str], rejoin_wait: float, warm: RuntimeCommand | No
         time.sleep(5)
 
 
-def _run_supernode(command: list[str], warm: RuntimeCommand | None) -> tuple[int, bool, bool]:
+def _run_supernode(command: list[str], warm: list[str] | None) -> tuple[int, bool, bool]:
     """One SuperNode life: (exit code, activation refused, stopped by a signal).
 
     The SuperNode (and a warm silo's ClientApp runtime) run in their own process groups, die
@@ -307,10 +303,10 @@ def _run_supernode(command: list[str], warm: RuntimeCommand | None) -> tuple[int
     return code, refused.is_set(), stopped()
 
 
-def _start_warm_runtime(warm: RuntimeCommand, supernode: subprocess.Popen) -> subprocess.Popen:
+def _start_warm_runtime(warm: list[str], supernode: subprocess.Popen) -> subprocess.Popen:
     """Start the ClientApp runtime; if it dies, end the SuperNode too, so that the silo stops
     with an error instead of accepting messages nobody will answer."""
-    runtime = subprocess.Popen(warm(supernode.pid), stdin=subprocess.PIPE, text=True,
+    runtime = subprocess.Popen(warm, stdin=subprocess.PIPE, text=True,
                                start_new_session=True, preexec_fn=_die_with_parent)
 
     def watch() -> None:

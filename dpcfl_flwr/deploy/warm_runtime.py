@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 # has stored a message (see ``wake``). Polling fast instead would cost CPU: an AcquireTask is
 # ~1-3 ms on each side, and 21 silos at 10 Hz took about a third of this 2-core machine.
 DEFAULT_POLL_SECONDS = 1.0
+# With the supervisor's wake-up, a poll only covers a wake-up that never came; at 1 s, the
+# polls of 21 idle silos took ~6% of this machine (SuperNode's HTTP API and the runtime).
+WOKEN_POLL_SECONDS = 10.0
 
 
 def _sources(package: Path) -> dict[str, bytes]:
@@ -168,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="The SuperNode's Runtime API, host:port.")
     parser.add_argument("--parent-pid", type=int,
                         help="Exit when this process (the SuperNode) exits.")
-    parser.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_SECONDS)
+    parser.add_argument("--poll-seconds", type=float,
+                        help=f"Seconds between looks for a task (default {DEFAULT_POLL_SECONDS:g}"
+                             f", {WOKEN_POLL_SECONDS:g} with --wake-on-stdin).")
     parser.add_argument("--wake-on-stdin", action="store_true",
                         help="Look for a task at once whenever a line arrives on stdin.")
     args = parser.parse_args(argv)
@@ -178,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         start_parent_process_monitor(args.parent_pid)
     from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch only once arguments parse)
 
-    runtime = WarmRuntime(args.runtime_api_address, app, args.poll_seconds)
+    poll = args.poll_seconds or (WOKEN_POLL_SECONDS if args.wake_on_stdin
+                                 else DEFAULT_POLL_SECONDS)
+    runtime = WarmRuntime(args.runtime_api_address, app, poll)
     if args.wake_on_stdin:
         threading.Thread(target=_wake_on_lines, args=(runtime.wake,), daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # the parent monitor: the SuperNode is gone
