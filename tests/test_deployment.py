@@ -40,12 +40,15 @@ def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout: float) 
         time.sleep(1)
 
 
-def _processes_under(root: Path) -> set[int]:
-    """Processes whose command line names a path under ``root``: this deployment's."""
+def _processes_of(deployment: LocalDeployment) -> set[int]:
+    """Every process started by ``deployment``: they all inherit its FLWR_HOME (command lines
+    do not always name its directory: the supervisors' and the SuperLink's paths are
+    relative, the runtimes' name only a port)."""
+    marker = f"\0FLWR_HOME={deployment.env['FLWR_HOME']}\0".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
-            if entry.name.isdigit() and str(root).encode() in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and marker in b"\0" + (entry / "environ").read_bytes():
                 found.add(int(entry.name))
     return found
 
@@ -75,9 +78,10 @@ def deployment(tmp_path_factory):
     dep.up()
     for i in range(SILOS):
         dep.silo(i)
+    assert len(_processes_of(dep)) > SILOS  # the check after down() can see them
     yield dep
     dep.down()
-    assert not _alive(_processes_under(dep.root)), "processes outlived the deployment"
+    assert not _alive(_processes_of(dep)), "processes outlived the deployment"
 
 
 @pytest.mark.slow
