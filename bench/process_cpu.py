@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dpcfl_flwr.deploy.processes import TICKS, parent_and_cpu
+from dpcfl_flwr.deploy.processes import TICKS, process_table
 from dpcfl_flwr.progress import ProgressTail
 
 # First match on the command line wins; order matters (a supervisor's command line names the
@@ -100,11 +100,10 @@ class ProcessCpuSampler:
         self._sample(root)
 
     def _sample(self, root: int) -> None:
-        parents, cpu = {}, {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and (stat := parent_and_cpu(int(entry))) is not None:
-                parents[int(entry)], cpu[int(entry)] = stat
-        mine = {pid: seconds for pid, seconds in cpu.items() if _descends(pid, root, parents)}
+        table = process_table()
+        parents = {pid: parent for pid, (parent, _cpu) in table.items()}
+        mine = {pid: cpu for pid, (_parent, cpu) in table.items()
+                if _descends(pid, root, parents)}
         for pid in mine:  # read every time: a fresh fork shows its parent's command line
             command = _cmdline(pid)
             if pid == root:

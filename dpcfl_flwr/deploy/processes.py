@@ -18,19 +18,19 @@ def parent_and_cpu(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def live_parents() -> dict[int, int]:
-    """pid -> parent pid of every live process."""
-    parents = {}
+def process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far) of every live process."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := parent_and_cpu(int(entry))) is not None:
-            parents[int(entry)] = stat[0]
-    return parents
+            table[int(entry)] = stat
+    return table
 
 
 def descendants(root: int) -> set[int]:
     """Every live process below ``root``: children, their children, and so on."""
     children: dict[int, list[int]] = {}
-    for pid, parent in live_parents().items():
+    for pid, (parent, _cpu) in process_table().items():
         children.setdefault(parent, []).append(pid)
     found: set[int] = set()
     pending = list(children.get(root, []))
