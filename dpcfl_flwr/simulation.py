@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ExperimentConfig, parse_run_config
+from .engine_tuning import RAY_SYSTEM_CONFIG, woken_dispatch
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
 CLIENT_APP = "dpcfl_flwr.client_app:app"
@@ -82,19 +83,20 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
         "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False,
                       "logging_level": "DEBUG" if verbose else "ERROR",
-                      "log_to_driver": verbose},
+                      "log_to_driver": verbose, "_system_config": RAY_SYSTEM_CONFIG},
     }
     with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir:
         _write_app_dir(Path(app_dir), experiment)
         context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
                           run_config=experiment.to_run_config())
-        _run_simulation(
-            num_supernodes=experiment.topology.num_clients,
-            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-            server_app_attr=SERVER_APP, client_app_attr=CLIENT_APP,
-            backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
-            server_app_context=context, verbose_logging=verbose,
-        )
+        with woken_dispatch():
+            _run_simulation(
+                num_supernodes=experiment.topology.num_clients,
+                exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+                server_app_attr=SERVER_APP, client_app_attr=CLIENT_APP,
+                backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
+                server_app_context=context, verbose_logging=verbose,
+            )
 
 
 def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:

@@ -1,0 +1,71 @@
+"""Two per-message costs of Flower 1.39's simulation engine that a short silo task notices.
+
+A silo's task in the quick example is ~0.3 s of training, and 21 of them share 2 Ray workers,
+so a few milliseconds per hand-over and a tenth of a second per round are several percent of
+a round (bench/RESULTS.md, "Where the simulation's overhead goes"):
+
+- Ray passes a task argument or result larger than 100 KB through its shared-memory object
+  store instead of inside the task: a round trip to the raylet per message. One CNN model is
+  116 KB, so every task went that way; the hand-over between two tasks of a worker took
+  ~11 ms and takes ~6 ms with messages up to :data:`INLINE_BYTES` inline.
+- The engine's dispatcher looks for new messages every 0.1 s (``add_messages_to_queue`` in
+  ``flwr/server/superlink/fleet/vce/vce_api.py``), so a round's first task starts 0-100 ms
+  after the ServerApp pushed it while both workers wait, and the scan of every node runs ten
+  times a second all run long. :func:`woken_dispatch` runs the same scan when a message is
+  stored (and once a second regardless), the way the engine's own loop would with no delay.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from queue import Queue
+from typing import Any
+
+# Above the largest message of the quick example (a selection round's four CNN models, ~0.5 MB)
+# and far below Ray's 10 MB limit on a task's inlined arguments; larger models (ResNet-18:
+# 45 MB) still go through the object store.
+INLINE_BYTES = 2 * 2**20
+RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": INLINE_BYTES}
+
+FALLBACK_SCAN_SECONDS = 1.0  # also how soon the dispatcher notices the engine stopping
+
+
+def _dispatch_when_stored(state: Any, queue: Queue[Any], nodes_mapping: Any,
+                          f_stop: threading.Event) -> None:
+    """Flower's dispatcher loop, woken by ``store_message_ins`` instead of a 0.1 s timer."""
+    stored = threading.Event()
+    store_message_ins: Callable[..., Any] = state.store_message_ins
+
+    def store_and_wake(*args: Any, **kwargs: Any) -> Any:
+        message_id = store_message_ins(*args, **kwargs)
+        stored.set()
+        return message_id
+
+    state.store_message_ins = store_and_wake  # this engine's state object only
+    try:
+        while not f_stop.is_set():
+            stored.clear()  # before the scan: a message stored during it wakes the next one
+            for node_id in nodes_mapping:
+                for message in state.get_message_ins(node_id=node_id, limit=1):
+                    queue.put(message)
+            stored.wait(FALLBACK_SCAN_SECONDS)
+    finally:
+        del state.store_message_ins
+
+
+@contextmanager
+def woken_dispatch() -> Iterator[None]:
+    """Use :func:`_dispatch_when_stored` as the engine's dispatcher while the block runs."""
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    flowers_own = vce_api.add_messages_to_queue
+    vce_api.add_messages_to_queue = _dispatch_when_stored
+    try:
+        yield
+    finally:
+        vce_api.add_messages_to_queue = flowers_own
+
+
+__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "woken_dispatch"]
