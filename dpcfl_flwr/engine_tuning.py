@@ -1,4 +1,4 @@
-"""Two per-message costs of Flower 1.39's simulation engine that a short silo task notices.
+"""Three per-message costs of Flower 1.39's simulation engine that a short silo task notices.
 
 A silo's task in the quick example is ~0.3 s of training, and 21 of them share 2 Ray workers,
 so a few milliseconds per hand-over and a tenth of a second per round are several percent of
@@ -13,11 +13,16 @@ a round (bench/RESULTS.md, "Where the simulation's overhead goes"):
   after the ServerApp pushed it while both workers wait, and the scan of every node runs ten
   times a second all run long. :func:`woken_dispatch` runs the same scan when a message is
   stored (and once a second regardless), the way the engine's own loop would with no delay.
+- The ServerApp learns of a reply by polling the grid (every 50 ms in simulation,
+  ``strategies/exchange.py``), so the round's last reply waited 25 ms on average while both
+  workers sat idle. While the woken dispatcher runs, :func:`wait_for_replies` returns as soon
+  as the engine stores a reply.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from queue import Queue
@@ -31,19 +36,29 @@ RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": INLINE_BYTES}
 
 FALLBACK_SCAN_SECONDS = 1.0  # also how soon the dispatcher notices the engine stopping
 
+# The link state of each running woken dispatcher (by id) -> set when a reply is stored.
+_reply_stored: dict[int, threading.Event] = {}
+
+
+def _set_after(state: Any, method_name: str, event: threading.Event) -> None:
+    """Make ``state.<method_name>`` set ``event`` after each call (this object only)."""
+    method: Callable[..., Any] = getattr(state, method_name)
+
+    def call_and_set(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        event.set()
+        return result
+
+    setattr(state, method_name, call_and_set)
+
 
 def _dispatch_when_stored(state: Any, queue: Queue[Any], nodes_mapping: Any,
                           f_stop: threading.Event) -> None:
     """Flower's dispatcher loop, woken by ``store_message_ins`` instead of a 0.1 s timer."""
     stored = threading.Event()
-    store_message_ins: Callable[..., Any] = state.store_message_ins
-
-    def store_and_wake(*args: Any, **kwargs: Any) -> Any:
-        message_id = store_message_ins(*args, **kwargs)
-        stored.set()
-        return message_id
-
-    state.store_message_ins = store_and_wake  # this engine's state object only
+    _set_after(state, "store_message_ins", stored)
+    _set_after(state, "store_message_res", _reply_stored.setdefault(id(state),
+                                                                   threading.Event()))
     try:
         while not f_stop.is_set():
             stored.clear()  # before the scan: a message stored during it wakes the next one
@@ -52,7 +67,21 @@ def _dispatch_when_stored(state: Any, queue: Queue[Any], nodes_mapping: Any,
                     queue.put(message)
             stored.wait(FALLBACK_SCAN_SECONDS)
     finally:
-        del state.store_message_ins
+        del state.store_message_ins, state.store_message_res
+        _reply_stored.pop(id(state), None)
+
+
+def wait_for_replies(grid: Any, seconds: float) -> None:
+    """Wait ``seconds``, or less if the grid's engine stores a reply meanwhile.
+
+    Only a grid on the state of a running woken dispatcher is woken early (Flower's in-memory
+    grid in simulation); any other grid, a deployment's included, just sleeps."""
+    replied = _reply_stored.get(id(getattr(grid, "state", None)))
+    if replied is None:
+        time.sleep(seconds)
+        return
+    replied.wait(seconds)
+    replied.clear()  # the caller pulls next, so a reply stored from here on is not missed
 
 
 @contextmanager
@@ -68,4 +97,4 @@ def woken_dispatch() -> Iterator[None]:
         vce_api.add_messages_to_queue = flowers_own
 
 
-__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "woken_dispatch"]
+__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "wait_for_replies", "woken_dispatch"]

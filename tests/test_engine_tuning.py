@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import uuid
 from queue import Empty, Queue
 
 import pytest
@@ -25,7 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from dpcfl_flwr.engine_tuning import FALLBACK_SCAN_SECONDS, woken_dispatch
+from dpcfl_flwr.engine_tuning import FALLBACK_SCAN_SECONDS, wait_for_replies, woken_dispatch
 
 RUN_ID, TASK_ID = 7, 11
 
@@ -104,3 +105,37 @@ def test_messages_stored_during_a_scan_are_not_left_for_the_fallback(dispatched)
         assert got == pushed
     elapsed = time.monotonic() - started
     assert elapsed < FALLBACK_SCAN_SECONDS / 2, elapsed
+
+
+def _reply_later(state, message: Message, seconds: float) -> threading.Timer:
+    """The engine storing ``message``'s reply ``seconds`` from now, as a worker finishing."""
+    reply = Message(RecordDict(), reply_to=message)
+    reply.metadata.__dict__["_message_id"] = str(uuid.uuid4())  # as the engine's worker does
+    timer = threading.Timer(seconds, state.store_message_res, args=(reply,))
+    timer.start()
+    return timer
+
+
+def test_the_serverapps_wait_ends_when_the_engine_stores_a_reply(dispatched):
+    grid, nodes, queue = dispatched
+    wait_for_replies(grid, 0.0)  # forget replies of before
+    message_id = _push(grid, nodes[0])
+    delivered = queue.get(timeout=2 * FALLBACK_SCAN_SECONDS)
+    started = time.monotonic()
+    replying = _reply_later(grid.state, delivered, 0.2)
+    wait_for_replies(grid, 5.0)
+    waited = time.monotonic() - started
+    replying.join()
+    assert [m.metadata.reply_to_message_id for m in grid.pull_messages([message_id])] == [
+        message_id]
+    assert waited < 0.2 + 0.05, waited
+    started = time.monotonic()
+    wait_for_replies(grid, 0.3)  # nothing stored since: the whole wait
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_grid_outside_a_woken_engine_just_sleeps(engine):
+    _, grid, _ = engine  # Flower's grid on a state no woken dispatcher serves
+    started = time.monotonic()
+    wait_for_replies(grid, 0.3)
+    assert time.monotonic() - started >= 0.3

@@ -8,7 +8,8 @@ is CPU the silos on a shared machine do not get (bench/RESULTS.md, "by process r
 wait backs off while nothing arrives (x1.5 up to 0.5 s) and drops back to 50 ms as soon as a
 reply comes in: replies that trickle in are still collected within ~50 ms, and a silent
 stretch costs a poll every half second. In Flower's simulation engine the grid is in the
-same process and a poll costs next to nothing, so there it stays at 50 ms. Messages are pushed
+same process and a poll costs next to nothing, so there it stays at 50 ms, and the wait ends
+early when the engine stores a reply (``engine_tuning.wait_for_replies``). Messages are pushed
 one by one so that every message id maps to its silo even when a push fails.
 """
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+from ..engine_tuning import wait_for_replies
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ def exchange(
         if not pending or time.monotonic() >= deadline:
             break
         delay = next_poll_delay(delay, arrived > 0, ceiling)
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        wait_for_replies(grid, min(delay, max(0.0, deadline - time.monotonic())))
     result.missing.extend(pending.values())
     result.seconds = time.monotonic() - started
     return result
