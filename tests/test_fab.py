@@ -12,9 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_fab_carries_the_package_and_its_config_only(tmp_path):
-    app = tmp_path / "dpcfl-app"  # Flower takes the app's name from its directory
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    app = tmp_path / "dpcfl-app"  # `flwr build` refuses a directory name like pytest's
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split("\0")[:-1]
     for name in tracked:  # the repository as a fresh clone has it, built where it is safe
         target = app / name
         target.parent.mkdir(parents=True, exist_ok=True)
