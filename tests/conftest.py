@@ -7,10 +7,21 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 @pytest.fixture()
-def server_task_identity():
+def task_identity():
     """Messages read the process' task identity, which Flower's runtime sets for a ServerApp
-    process; tests that build messages outside a runtime set it the same way."""
+    process; tests that build messages outside a runtime set it with the function this
+    yields, ``(task_id, run_id, node_id)``, and get the previous identity back afterwards."""
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
+
+    def set_identity(task_id: int, run_id: int, node_id: int) -> None:
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (
+            task_id, run_id, node_id)
+
+    yield set_identity
     TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.fixture()
+def server_task_identity(task_identity):
+    """The identity of a ServerApp's task in tests: task 1 of run 1."""
+    task_identity(1, 1, 0)

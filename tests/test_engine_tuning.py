@@ -22,7 +22,6 @@ from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
 from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
@@ -32,12 +31,10 @@ RUN_ID, TASK_ID = 7, 11
 
 
 @pytest.fixture
-def engine(monkeypatch):
+def engine(task_identity):
     """(state, grid, node ids) of a run with three registered nodes; the ServerApp's pushes
     come from the SuperLink's node id, as in a simulation."""
-    for name, value in (("_task_id", TASK_ID), ("_run_id", RUN_ID),
-                        ("_node_id", SUPERLINK_NODE_ID)):
-        monkeypatch.setattr(TaskIdentity, name, value)
+    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
                                ObjectStoreFactory())
     state = factory.state()
