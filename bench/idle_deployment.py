@@ -1,11 +1,12 @@
 """What a deployment costs while it waits: CPU by process role with no run under way.
 
-Every silo of a gRPC deployment keeps three processes (supervisor, SuperNode, ClientApp
-runtime) that poll and tick while idle, and the SuperLink answers the SuperNodes' polls. On a
-machine that hosts many silos, as the overhead benchmark's 21 silos on 2 cores, that floor is
-paid during every round too: this measures it alone. The deployment is the one of
-bench/overhead.py (TLS, node authentication, warm runtimes); the SuperNodes' idle poll is the
-knob that trades this floor against the latency with which a round reaches an idle silo.
+Every silo of a gRPC deployment keeps two processes (supervisor, and the SuperNode that also
+holds the warm ClientApp) that poll and tick while idle, and the SuperLink answers the
+SuperNodes' polls. On a machine that hosts many silos, as the overhead benchmark's 21 silos
+on 2 cores, that floor is paid during every round too: this measures it alone. The
+deployment is the one of bench/overhead.py (TLS, node authentication, warm ClientApps); the
+SuperNodes' idle poll is the knob that trades this floor against the latency with which a
+round reaches an idle silo.
 
   python bench/idle_deployment.py [--clusters 3,6,6,6] [--idle-poll S] [--window 30]
                                   [--no-append]

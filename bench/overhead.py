@@ -17,8 +17,8 @@ workers at a round's end are the engine's dispatch order, not arithmetic.
 Two transports, the quick example's R-DPCFL rounds (21 silos, N_i = 500):
   simulation  Flower's simulation engine, 2 Ray workers (W = 2)
   grpc        one flower-superlink and 21 flower-supernode processes on 127.0.0.1 with TLS and
-              node authentication, each silo's messages answered by its warm ClientApp
-              runtime (W = 2 cores)
+              node authentication, each silo's messages answered by its warm ClientApp in
+              the SuperNode's process (W = 2 cores)
   grpc-per-message  the same, with Flower's fresh ClientApp process for every message
 
 With --by-process, every process's CPU time is sampled from /proc (bench/process_cpu.py) and
@@ -125,7 +125,10 @@ def split_by_process(name: str, results: dict, sampler: ProcessCpuSampler) -> st
     for r in later:
         for role, seconds in sampler.cpu_between(*sampler.round_window(r["round"])).items():
             by_role[role] = by_role.get(role, 0.0) + seconds
-    silo_role = "Ray workers" if name == "simulation" else "ClientApp runtimes"
+    # whose processes ran the handler: Ray's workers, separate ClientApp runtimes, or the
+    # SuperNodes themselves (a ClientApp answered in the SuperNode's process)
+    silo_role = ("Ray workers" if name == "simulation" else "ClientApp runtimes"
+                 if by_role.get("ClientApp runtimes", 0.0) >= work else "SuperNodes")
     by_role[silo_role] = by_role.get(silo_role, 0.0) - work  # the rest of the silos' CPU
     lines = [f"| silo work (train handler) | {work:.1f} | {100 * work / capacity:.0f}% |"]
     for role, seconds in sorted(by_role.items(), key=lambda item: -item[1]):

@@ -98,9 +98,10 @@ def test_a_run_over_grpc_with_tls_and_node_authentication(deployment):
     assert all(not c["dropped_rounds"] for c in results["clients"])
     server_log = deployment.log("server")
     assert "--enable-supernode-auth" in server_log and "--ssl-certfile" in server_log
-    for i in range(SILOS):  # one fresh ClientApp process for the FAB, then the warm one
+    for i in range(SILOS):  # one fresh ClientApp process for the FAB, then the SuperNode's own
         log = deployment.log(f"silo-{i:02d}")
         received = log.count("Receiving: ")
+        assert "ClientApp tasks are answered in the SuperNode's process" in log
         assert "served warm from now on" in log and received >= 5
         assert "polls the SuperLink every 0.5 s when idle" in log
         assert log.count("message answered in this process") == received - 1
@@ -171,12 +172,13 @@ def test_a_foreign_certificate_and_an_unregistered_key_are_refused(deployment):
 
 @pytest.mark.slow
 def test_a_silo_whose_supervisor_is_killed_leaves_no_process_behind(deployment):
-    # What a hard kill of `dpcfl client` does (kill -9, an OOM kill): its SuperNode and
-    # ClientApp runtime, in sessions of their own, get the parent-death signal and must end.
+    # What a hard kill of `dpcfl client` does (kill -9, an OOM kill): its SuperNode (which
+    # answers the ClientApp's tasks itself), in a session of its own, gets the parent-death
+    # signal and must end.
     supervisor = deployment.processes.pop("silo-00")
     deadline = time.monotonic() + 60
-    while len(helpers := descendants(supervisor.pid)) < 2:
-        assert time.monotonic() < deadline, "silo 0 did not start its SuperNode and runtime"
+    while not (helpers := descendants(supervisor.pid)):
+        assert time.monotonic() < deadline, "silo 0 did not start its SuperNode"
         time.sleep(0.5)
     os.killpg(supervisor.pid, signal.SIGKILL)
     supervisor.wait()

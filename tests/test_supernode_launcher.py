@@ -1,11 +1,15 @@
-"""The SuperNode launcher shortens exactly Flower's two poll waits, and only on flwr 1.39.0."""
+"""The SuperNode launcher shortens exactly Flower's two poll waits, and only on flwr 1.39.0;
+its Runtime API ticks once a second; an in-process ClientApp ends the reply wait."""
 
 from __future__ import annotations
 
+import threading
 import time
+import urllib.request
 
 import flwr
 import pytest
+import uvicorn
 from flwr.supernode import start_client_internal as loop
 
 from dpcfl_flwr.deploy.supernode_launcher import (
@@ -14,6 +18,7 @@ from dpcfl_flwr.deploy.supernode_launcher import (
     PATCHED_FLOWER,
     ShortWaits,
     shorten_waits,
+    slow_runtime_api_tick,
     split_arguments,
 )
 
@@ -46,8 +51,57 @@ def test_shorten_waits_patches_the_real_loop_only_for_the_known_version(monkeypa
     assert not shorten_waits(loop, PATCHED_FLOWER, 0.5)  # already patched: not twice
 
 
-def test_split_arguments_takes_the_idle_poll_and_passes_everything_else_on():
-    assert split_arguments(["--idle-poll", "0.25", "--superlink", "h:1", "--insecure"]) == (
-        0.25, ["--superlink", "h:1", "--insecure"])
-    assert split_arguments(["--idle-poll=1", "--grpc-rere"]) == (1.0, ["--grpc-rere"])
-    assert split_arguments(["--insecure"])[0] == 0.5
+def test_split_arguments_takes_our_options_and_passes_everything_else_on():
+    options, rest = split_arguments(["--idle-poll", "0.25", "--superlink", "h:1", "--insecure"])
+    assert (options.idle_poll, options.clientapp_in_process, rest) == (
+        0.25, False, ["--superlink", "h:1", "--insecure"])
+    options, rest = split_arguments(["--clientapp-in-process", "--idle-poll=1", "--grpc-rere"])
+    assert (options.idle_poll, options.clientapp_in_process, rest) == (1.0, True, ["--grpc-rere"])
+    assert split_arguments(["--insecure"])[0].idle_poll == 0.5
+
+
+def test_the_reply_wait_ends_when_an_in_process_clientapp_says_it_is_done():
+    done = threading.Event()
+    waits = ShortWaits(5.0, reply_stored=done)  # reply poll: 0.5 s
+    threading.Timer(0.05, done.set).start()
+    started = time.perf_counter()
+    waits.sleep(FLOWER_REPLY_WAIT)
+    assert time.perf_counter() - started < 0.3 and not done.is_set()  # woken, then re-armed
+    started = time.perf_counter()
+    waits.sleep(FLOWER_REPLY_WAIT)  # nothing done: the whole (shortened) wait
+    assert 0.5 <= time.perf_counter() - started < 0.7
+
+
+def test_the_runtime_api_ticks_once_a_second_and_still_serves_and_stops(monkeypatch):
+    monkeypatch.setattr(uvicorn.Server, "main_loop", uvicorn.Server.main_loop)  # restored after
+    assert slow_runtime_api_tick(uvicorn.Server)
+    assert not slow_runtime_api_tick(object)
+    ticks = []
+
+    async def app(scope, receive, send):  # a minimal ASGI app: 200 "ok"
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    original_tick = server.on_tick
+
+    async def counted(counter: int) -> bool:
+        ticks.append(counter)
+        return await original_tick(counter)
+
+    server.on_tick = counted
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    assert urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read() == b"ok"
+    time.sleep(2.0)
+    assert 2 <= len(ticks) <= 4 and all(t % 10 == 0 for t in ticks)  # uvicorn's own: ~20
+    server.should_exit = True
+    thread.join(timeout=3)
+    assert not thread.is_alive()

@@ -1,5 +1,5 @@
-"""The warm ClientApp runtime serves a FAB from its own process only if the FAB ships the code
-that process runs (the deployment tests run it for real over gRPC)."""
+"""The warm ClientApp runtime serves a FAB from its process only if the FAB ships the code that
+process runs, and a warm silo answers in its SuperNode (the deployment tests run it over gRPC)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dpcfl_flwr
 from dpcfl_flwr.config import parse_node_config
-from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command, warm_runtime_command
+from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
 from dpcfl_flwr.deploy.warm_runtime import fab_matches_this_process
 
 HASH = "a06c43f2" + "0" * 56
@@ -40,14 +40,11 @@ def test_a_fab_with_an_extra_module_or_none_installed_is_not_served_warm(tmp_pat
     assert not fab_matches_this_process(HASH, tmp_path)
 
 
-def test_warm_silos_run_the_supernode_without_its_own_superexec():
+def test_warm_silos_answer_in_the_supernode_without_its_own_superexec():
     node = parse_node_config({"partition-id": 0})
-    warm = SiloFile(name="s", insecure=True, runtime_port=9123)
-    cold = SiloFile(name="s", insecure=True, warm=False)
-    isolation = {"warm": warm, "cold": cold}
-    flags = {k: supernode_command(v, node) for k, v in isolation.items()}
-    assert flags["warm"][flags["warm"].index("--isolation") + 1] == "process"
-    assert flags["cold"][flags["cold"].index("--isolation") + 1] == "subprocess"
-    runtime = warm_runtime_command(warm)
-    assert runtime[runtime.index("--runtime-api-address") + 1] == "127.0.0.1:9123"
-    assert "--wake-on-stdin" in runtime and "--parent-pid" not in runtime
+    warm = supernode_command(SiloFile(name="s", insecure=True, runtime_port=9123), node)
+    cold = supernode_command(SiloFile(name="s", insecure=True, warm=False), node)
+    assert warm[warm.index("--isolation") + 1] == "process" and "--clientapp-in-process" in warm
+    assert cold[cold.index("--isolation") + 1] == "subprocess"
+    assert "--clientapp-in-process" not in cold
+    assert warm[warm.index("--port") + 1] == "9123"  # the fresh-process path for a new FAB

@@ -32,7 +32,6 @@ from .silo_file import (
     load_silo_file,
     supernode_command,
     use_this_environment,
-    warm_runtime_command,
 )
 from .superlink import (
     ServerSettings,
@@ -180,8 +179,8 @@ def client(
     insecure: bool = typer.Option(None, "--insecure/--tls", help="Default: TLS."),
     warm: bool = typer.Option(
         None, "--warm/--process-per-message",
-        help="Default: warm, one ClientApp process answers all messages; "
-             "--process-per-message: Flower's fresh process for each."),
+        help="Default: warm, the SuperNode's own process answers all messages with one "
+             "loaded ClientApp; --process-per-message: Flower's fresh process for each."),
     runtime_port: int = typer.Option(None, "--runtime-port"),
     idle_poll: float = typer.Option(
         None, "--idle-poll",
@@ -233,7 +232,7 @@ def client(
         "partition": str(node_config.partition_id), "budget": budget,
         "ledger": node_config.ledger_path, "device / threads":
             f"{node_config.device} / {node_config.threads or 'run config'}",
-        "ClientApp process": "warm (one for all messages)" if silo.warm
+        "ClientApp": "warm (in the SuperNode's process, for all messages)" if silo.warm
         else "one per message (Flower's SuperExec)",
         "SuperLink poll when idle": f"every {silo.idle_poll:g} s",
         "command": " ".join(command)})
@@ -241,25 +240,21 @@ def client(
         return
     sys.stdout.flush()
     use_this_environment()
-    runtime = warm_runtime_command(silo) if silo.warm else None
-    raise typer.Exit(code=_supervise(command, rejoin_wait, runtime))
+    raise typer.Exit(code=_supervise(command, rejoin_wait))
 
 
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
 # every error, so the message is what tells this case apart).
 _ACTIVATION_REFUSED = "Failed to activate SuperNode"
-# What it prints once a message is stored for its ClientApp: the warm runtime is woken then
-# (it also polls, so a changed line costs latency, not correctness).
-_MESSAGE_STORED = "Received successfully"
 
 
-def _supervise(command: list[str], rejoin_wait: float, warm: list[str] | None) -> int:
+def _supervise(command: list[str], rejoin_wait: float) -> int:
     """Run the SuperNode, passing its output through; retry activation refusals for
     ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
     session expire). TLS failures and every other error end the silo at once."""
     deadline = time.monotonic() + rejoin_wait
     while True:
-        code, refused, stopped = _run_supernode(command, warm)
+        code, refused, stopped = _run_supernode(command)
         if code == 0 or not refused or stopped or time.monotonic() >= deadline:
             return code
         console.print("the SuperLink refused this silo's activation (its previous session may "
@@ -267,19 +262,17 @@ def _supervise(command: list[str], rejoin_wait: float, warm: list[str] | None) -
         time.sleep(5)
 
 
-def _run_supernode(command: list[str], warm: list[str] | None) -> tuple[int, bool, bool]:
+def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
     """One SuperNode life: (exit code, activation refused, stopped by a signal).
 
-    The SuperNode (and a warm silo's ClientApp runtime) run in their own process groups, die
-    with this supervisor (parent-death signal), and whatever they leave behind (the SuperExec)
-    is killed when the SuperNode exits: a stray helper would keep the output pipe open and
-    hold this silo's runtime port.
+    The SuperNode runs in its own process group (a warm silo answers its ClientApp tasks in
+    that process), dies with this supervisor (parent-death signal), and whatever it leaves
+    behind (a SuperExec, a fresh ClientApp process) is killed when it exits: a stray helper
+    would keep the output pipe open and hold this silo's runtime port.
     """
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1, start_new_session=True,
                                preexec_fn=_die_with_parent)
-    runtime = None if warm is None else _start_warm_runtime(warm, process)
-    helpers = [process] if runtime is None else [process, runtime]
     refused = threading.Event()
 
     def pump() -> None:
@@ -289,43 +282,15 @@ def _run_supernode(command: list[str], warm: list[str] | None) -> tuple[int, boo
             sys.stdout.flush()
             if _ACTIVATION_REFUSED in line:
                 refused.set()
-            if runtime is not None and _MESSAGE_STORED in line:
-                _wake(runtime)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     stopped = _forward_signals(process, group=True)
     code = process.wait()
-    for helper in helpers:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(helper.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
     reader.join(timeout=5)
     return code, refused.is_set(), stopped()
-
-
-def _start_warm_runtime(warm: list[str], supernode: subprocess.Popen) -> subprocess.Popen:
-    """Start the ClientApp runtime; if it dies, end the SuperNode too, so that the silo stops
-    with an error instead of accepting messages nobody will answer."""
-    runtime = subprocess.Popen(warm, stdin=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=_die_with_parent)
-
-    def watch() -> None:
-        code = runtime.wait()
-        if supernode.poll() is None:
-            console.print(f"the silo's ClientApp runtime exited (code {code}); stopping the "
-                          "SuperNode")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(supernode.pid, signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return runtime
-
-
-def _wake(runtime: subprocess.Popen) -> None:
-    with contextlib.suppress(OSError, ValueError):  # a runtime that is gone is handled by watch
-        assert runtime.stdin is not None
-        runtime.stdin.write("\n")
-        runtime.stdin.flush()
 
 
 def _die_with_parent() -> None:

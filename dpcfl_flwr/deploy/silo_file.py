@@ -7,8 +7,9 @@ root-certificates = "../certs/ca.crt"       # TLS: the CA that signed the SuperL
 auth-private-key = "../certs/nodes/silo-00" # node authentication (OpenSSH EC key)
 insecure = false                            # true only for local experiments, never by default
 runtime-port = 9100                         # this silo's ClientApp runtime port on its host
-warm = true                                 # one ClientApp process for all messages (false:
-                                            # Flower's fresh process per message)
+warm = true                                 # the SuperNode answers all messages itself with
+                                            # one loaded ClientApp (false: Flower's fresh
+                                            # process per message)
 idle-poll = 0.5                             # seconds between SuperLink polls when idle
                                             # (Flower's own SuperNode waits 3)
 
@@ -213,10 +214,11 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
     """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39), run
     through :mod:`.supernode_launcher` so that an idle silo polls every ``idle-poll`` seconds.
 
-    A warm silo's SuperNode starts no SuperExec of its own (``--isolation process``):
-    :func:`warm_runtime_command` runs its ClientApp instead.
+    A warm silo's SuperNode starts no SuperExec of its own (``--isolation process``): it
+    answers its ClientApp tasks in its own process (:mod:`.direct_runtime`).
     """
     command = [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher",
+               *(["--clientapp-in-process"] if silo.warm else []),
                "--idle-poll", f"{silo.idle_poll:g}", "--superlink", silo.superlink, "--grpc-rere",
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
                "--isolation", "process" if silo.warm else "subprocess",
@@ -230,11 +232,3 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
     if silo.max_retries:
         command += ["--max-retries", str(silo.max_retries)]
     return command
-
-
-def warm_runtime_command(silo: SiloFile) -> list[str]:
-    """The process that answers a warm silo's messages (dpcfl_flwr.deploy.warm_runtime). Its
-    supervisor wakes it for every message and ends it with the SuperNode, so it neither polls
-    often nor watches the SuperNode itself (each cost ~1% of the machine for 21 silos here)."""
-    return [sys.executable, "-m", "dpcfl_flwr.deploy.warm_runtime", "--runtime-api-address",
-            f"{silo.runtime_host}:{silo.runtime_port}", "--wake-on-stdin"]

@@ -26,34 +26,48 @@ force-exit thread cannot run once the interpreter is finalising).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib
+import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flwr.clientapp import ClientApp
 
 PATCHED_FLOWER = "1.39.0"
 FLOWER_IDLE_WAIT = 3.0  # seconds Flower sleeps after a poll that brought no message
 FLOWER_REPLY_WAIT = 0.5  # seconds between its checks for the ClientApp's reply
 DEFAULT_IDLE_POLL = 0.5
 MIN_REPLY_POLL = 0.1
+RUNTIME_API_TICK = 1.0  # seconds; uvicorn's own: 0.1
 
 
 class ShortWaits:
     """Stands in for the ``time`` module inside Flower's SuperNode loop: every attribute is
     the real one except ``sleep``, which shortens Flower's two fixed waits."""
 
-    def __init__(self, idle_poll: float) -> None:
+    def __init__(self, idle_poll: float, reply_stored: threading.Event | None = None) -> None:
         if idle_poll <= 0:
             raise ValueError(f"idle poll must be positive, got {idle_poll}")
         self.idle_poll = idle_poll
         self.reply_poll = min(FLOWER_REPLY_WAIT, max(MIN_REPLY_POLL, idle_poll / 10))
+        self.reply_stored = reply_stored
 
     def sleep(self, seconds: float) -> None:
         if seconds == FLOWER_IDLE_WAIT:
             seconds = self.idle_poll
         elif seconds == FLOWER_REPLY_WAIT:
+            if self.reply_stored is not None:  # an in-process ClientApp says when it is done
+                self.reply_stored.wait(self.reply_poll)
+                self.reply_stored.clear()
+                return
             seconds = self.reply_poll
         time.sleep(seconds)
 
@@ -61,40 +75,91 @@ class ShortWaits:
         return getattr(time, name)
 
 
-def shorten_waits(loop: ModuleType, version: str, idle_poll: float) -> bool:
+def shorten_waits(loop: ModuleType, version: str, idle_poll: float,
+                  reply_stored: threading.Event | None = None) -> bool:
     """Install :class:`ShortWaits` in Flower's SuperNode loop module; False (and nothing
     changed) when this is not the Flower version whose waits we know."""
     if version != PATCHED_FLOWER or getattr(loop, "time", None) is not time:
         return False
-    loop.time = ShortWaits(idle_poll)  # type: ignore[attr-defined]
+    loop.time = ShortWaits(idle_poll, reply_stored)  # type: ignore[attr-defined]
     return True
 
 
-def split_arguments(argv: Sequence[str]) -> tuple[float, list[str]]:
-    """(--idle-poll value, the rest, in order, for flower-supernode)."""
+def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK) -> bool:
+    """Make uvicorn's housekeeping tick (10 Hz: exit flag, Date header) of the SuperNode's
+    local Runtime API run every ``seconds``; False (nothing changed) when ``server_class`` is
+    not the uvicorn ``Server`` we know. The tick only decides how soon the API notices that it
+    should stop; requests are served by the event loop as they come."""
+    if not callable(getattr(server_class, "on_tick", None)) or not hasattr(server_class,
+                                                                           "main_loop"):
+        return False
+
+    async def main_loop(self: Any) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864000  # a multiple of 10: uvicorn's "once a second"
+            await asyncio.sleep(seconds)
+
+    server_class.main_loop = main_loop
+    return True
+
+
+def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(our options: --idle-poll, --clientapp-in-process; the rest, in order, for
+    flower-supernode)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL)
-    known, rest = parser.parse_known_args(list(argv))
-    return known.idle_poll, rest
+    parser.add_argument("--clientapp-in-process", action="store_true")
+    return parser.parse_known_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     import flwr
+    import uvicorn
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
-    idle_poll, rest = split_arguments(sys.argv[1:] if argv is None else argv)
-    if shorten_waits(loop, flwr.__version__, idle_poll):
+    options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
+    slow_runtime_api_tick(uvicorn.Server)
+    idle_poll = options.idle_poll
+    in_process = options.clientapp_in_process and flwr.__version__ == PATCHED_FLOWER
+    reply_stored = threading.Event() if in_process else None
+    if shorten_waits(loop, flwr.__version__, idle_poll, reply_stored):
         print(f"dpcfl: SuperNode polls the SuperLink every {idle_poll:g} s when idle "
               f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
     else:
         print(f"dpcfl: flwr {flwr.__version__} is not {PATCHED_FLOWER}; the SuperNode keeps "
               "Flower's own poll waits", file=sys.stderr, flush=True)
+    if options.clientapp_in_process:
+        if reply_stored is None:
+            print("dpcfl: --clientapp-in-process needs flwr " + PATCHED_FLOWER,
+                  file=sys.stderr, flush=True)
+            os._exit(2)
+        cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+
+        from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (imports torch)
+        _show_our_logs()
+        serve_in_supernode(cli, loop, _load_client_app, reply_stored)
     sys.argv = ["flower-supernode", *rest]
     code = exit_code_of(flower_supernode)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # not the interpreter's shutdown: see the module docstring
+
+
+def _show_our_logs() -> None:
+    """Our modules' INFO lines on stderr, next to Flower's (a separate runtime process did
+    this in its own ``main``)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("dpcfl_flwr")
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+
+
+def _load_client_app() -> ClientApp:
+    from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch, only when it is needed)
+    return app
 
 
 def exit_code_of(run: Callable[[], object]) -> int:

@@ -1,13 +1,16 @@
-"""A silo's ClientApp kept warm: one long-lived process answers all of a run's messages.
+"""A silo's ClientApp kept warm: one loaded ClientApp answers all of a run's messages.
 
 Flower 1.39's SuperExec starts a fresh ``flwr-clientapp`` process for every message: a new
 interpreter, torch and Flower imports, the FAB unpacked and the silo's data read again. On the
 quick example that start-up was ~95% of a gRPC round (bench/RESULTS.md, "Framework overhead").
-This runtime takes the SuperExec's place next to ``flower-supernode --isolation process``: it
-acquires the SuperNode's tasks over the same local Runtime API and runs each one here with
+:class:`WarmRuntime` takes the SuperExec's place next to ``flower-supernode --isolation
+process``: it acquires the SuperNode's tasks over the Runtime API and runs each one with
 Flower's own task I/O (``flwr.supernode.runtime.run_clientapp``), so the imports, the loaded
 ClientApp and the silo's cached data outlive a message. The Context (with the ledger record)
-still arrives with every task, and the ledger on disk is written exactly as before.
+still arrives with every task, and the ledger on disk is written exactly as before. A silo
+runs it inside its SuperNode's process (:mod:`.direct_runtime`, what ``dpcfl client`` starts);
+``python -m dpcfl_flwr.deploy.warm_runtime`` runs it as a process of its own, over the
+SuperNode's local HTTP API.
 
 Serving a FAB's messages with modules imported here is only right when they are the FAB's own
 code. So the first task of every FAB goes through Flower's cold path (which installs the FAB);
@@ -21,9 +24,9 @@ import argparse
 import contextlib
 import logging
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Error, Message
@@ -54,12 +57,11 @@ from .silo_file import flower_tool
 
 logger = logging.getLogger(__name__)
 
-# Polling is the fallback: the silo's supervisor wakes the runtime as soon as its SuperNode
-# has stored a message (see ``wake``). Polling fast instead would cost CPU: an AcquireTask is
-# ~1-3 ms on each side, and 21 silos at 10 Hz took about a third of this 2-core machine.
+# Polling is the fallback when something wakes the runtime as soon as its SuperNode has stored
+# a message (``wake``; in the SuperNode's process, its loop does). A separate process has no
+# such signal and polls every second: an AcquireTask is ~1-3 ms on each side, and 21 silos at
+# 10 Hz took about a third of this 2-core machine.
 DEFAULT_POLL_SECONDS = 1.0
-# With the supervisor's wake-up, a poll only covers a wake-up that never came; at 1 s, the
-# polls of 21 idle silos took ~6% of this machine (SuperNode's HTTP API and the runtime).
 WOKEN_POLL_SECONDS = 10.0
 
 
@@ -82,26 +84,41 @@ def fab_matches_this_process(fab_hash: str, flwr_home: Path | None = None) -> bo
     return shipped.is_dir() and _sources(shipped) == _RUNNING_SOURCES
 
 
+# token (None: the SuperExec's own, task-less calls) -> a Runtime API client for it (Flower's
+# HTTP client, or one with its methods: direct_runtime.DirectRuntimeClient)
+Connect = Callable[[str | None], RuntimeHttpClient]
+
+
+def http_link(address: str) -> Connect:
+    """Clients of the SuperNode's local HTTP Runtime API, as Flower's SuperExec makes them."""
+    def connect(token: str | None) -> RuntimeHttpClient:
+        interceptors: list[ProtobufClientInterceptor] = [
+            RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+        if token is not None:
+            interceptors.append(RuntimeTokenHttpInterceptor(token))
+        return RuntimeHttpClient.from_server_address(
+            server_address=address, insecure=True, root_certificates=None,
+            interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+    return connect
+
+
 class WarmRuntime:
     """Acquire a SuperNode's ClientApp tasks and run them in this process (see module doc)."""
 
     def __init__(self, runtime_api_address: str, app: ClientApp,
-                 poll_seconds: float = DEFAULT_POLL_SECONDS) -> None:
+                 poll_seconds: float = DEFAULT_POLL_SECONDS,
+                 connect: Connect | None = None,
+                 on_task_done: Callable[[], None] | None = None) -> None:
         self.address = runtime_api_address
         self.app = app
         self.poll_seconds = poll_seconds
+        self.connect: Connect = connect or http_link(runtime_api_address)
+        self.on_task_done = on_task_done  # e.g. wake the SuperNode to send the reply
         self.warm_fabs: dict[str, bool] = {}  # fab hash -> served warm
         self.wake = threading.Event()  # set when the SuperNode has a message for this silo
 
-    def _client(self, *interceptors: ProtobufClientInterceptor) -> RuntimeHttpClient:
-        return RuntimeHttpClient.from_server_address(
-            server_address=self.address, insecure=True, root_certificates=None,
-            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"),
-                          *interceptors],
-            retry_invoker=make_simple_http_retry_invoker())
-
     def serve(self) -> None:
-        acquirer = self._client()
+        acquirer = self.connect(None)
         request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
         try:
             while True:
@@ -115,6 +132,13 @@ class WarmRuntime:
             acquirer.close()
 
     def run(self, task: Task, token: str) -> None:
+        try:
+            self._run(task, token)
+        finally:
+            if self.on_task_done is not None:
+                self.on_task_done()
+
+    def _run(self, task: Task, token: str) -> None:
         if self.warm_fabs.get(task.fab_hash):
             self._run_here(token)
             return
@@ -134,8 +158,9 @@ class WarmRuntime:
 
     def _run_here(self, token: str) -> None:
         """``run_clientapp`` without the process around it: same pulls, pushes and statuses."""
-        client = self._client(RuntimeTokenHttpInterceptor(token))
-        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        client = self.connect(token)
+        heartbeat = HeartbeatSender(getattr(client, "task_heartbeat", None)
+                                    or make_task_heartbeat_fn_http(client))
         heartbeat.start()
         message: Message | None = None
         context: Context | None = None
@@ -171,11 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="The SuperNode's Runtime API, host:port.")
     parser.add_argument("--parent-pid", type=int,
                         help="Exit when this process (the SuperNode) exits.")
-    parser.add_argument("--poll-seconds", type=float,
-                        help=f"Seconds between looks for a task (default {DEFAULT_POLL_SECONDS:g}"
-                             f", {WOKEN_POLL_SECONDS:g} with --wake-on-stdin).")
-    parser.add_argument("--wake-on-stdin", action="store_true",
-                        help="Look for a task at once whenever a line arrives on stdin.")
+    parser.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_SECONDS,
+                        help="Seconds between looks for a task.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
@@ -183,18 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         start_parent_process_monitor(args.parent_pid)
     from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch only once arguments parse)
 
-    poll = args.poll_seconds or (WOKEN_POLL_SECONDS if args.wake_on_stdin
-                                 else DEFAULT_POLL_SECONDS)
-    runtime = WarmRuntime(args.runtime_api_address, app, poll)
-    if args.wake_on_stdin:
-        threading.Thread(target=_wake_on_lines, args=(runtime.wake,), daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # the parent monitor: the SuperNode is gone
-        runtime.serve()
-
-
-def _wake_on_lines(wake: threading.Event) -> None:
-    for _line in sys.stdin:
-        wake.set()
+        WarmRuntime(args.runtime_api_address, app, args.poll_seconds).serve()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,171 @@
+"""A silo's ClientApp answered inside its SuperNode's process, without the local HTTP hop.
+
+Flower 1.39's SuperNode serves its ClientApp runtime over a local HTTP API (FastAPI/uvicorn):
+every message costs the runtime ~15 requests (task, context, FAB, each object of the message
+and of the reply, heartbeats, status), and on the quick example over gRPC the serving side took
+more than half of a SuperNode's CPU and the runtime's HTTP client most of its time outside the
+ClientApp (bench/RESULTS.md, "Framework overhead"). When the ClientApp runs in the SuperNode's
+own process, the same Runtime API handlers Flower's router calls (``runtime_handlers``, on the
+SuperNode's own ``NodeState``) can be called directly: the same task acquisition, the same
+objects and statuses, minus HTTP, JSON-free protobuf round trips and a second process.
+
+:class:`DirectRuntimeClient` has the methods of Flower's ``RuntimeHttpClient`` that a ClientApp
+task uses, so Flower's own task I/O (``pull_task_input``, ``push_message``,
+``push_task_output``) runs on it unchanged. A task token is still required and checked against
+the state, as the HTTP router does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
+
+from flwr.clientapp import ClientApp
+from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+    ConfirmMessageReceivedRequest,
+    ConfirmMessageReceivedResponse,
+    PullObjectRequest,
+    PullObjectResponse,
+    PushObjectRequest,
+    PushObjectResponse,
+)
+from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+    AcquireTaskRequest,
+    AcquireTaskResponse,
+    PullAppMessagesRequest,
+    PullAppMessagesResponse,
+    PullTaskInputRequest,
+    PullTaskInputResponse,
+    PushAppMessagesRequest,
+    PushAppMessagesResponse,
+    PushTaskOutputRequest,
+    PushTaskOutputResponse,
+)
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.supercore.error import ApiErrorCode, FlowerError
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supernode.nodestate import NodeState, NodeStateFactory
+from flwr.supernode.servicer.runtime import runtime_handlers as handlers
+
+logger = logging.getLogger(__name__)
+
+
+class DirectRuntimeClient:
+    """The Runtime API of one SuperNode, called in its process (see module doc).
+
+    Without a token it can only acquire tasks (what the SuperExec does); with one it acts for
+    that task, which must exist in the state, as over HTTP.
+    """
+
+    def __init__(self, state_factory: NodeStateFactory, token: str | None = None) -> None:
+        self._state_factory = state_factory
+        self._token = token
+
+    @property
+    def _state(self) -> NodeState:
+        return self._state_factory.state()
+
+    def _task(self) -> Task:
+        task = self._state.get_task_by_token(self._token) if self._token else None
+        if task is None:
+            raise FlowerError(ApiErrorCode.RUNTIME_AUTHENTICATION_FAILED,
+                              "Runtime task-token authentication failed.")
+        return task
+
+    def AcquireTask(self, request: AcquireTaskRequest) -> AcquireTaskResponse:  # noqa: N802
+        return handlers.acquire_task(request, self._state)
+
+    def PullTaskInput(self, request: PullTaskInputRequest) -> PullTaskInputResponse:  # noqa: N802
+        return handlers.pull_task_input(request, self._state, self._task())
+
+    def PushTaskOutput(  # noqa: N802
+        self, request: PushTaskOutputRequest
+    ) -> PushTaskOutputResponse:
+        return handlers.push_task_output(request, self._state, self._task())
+
+    def PullMessages(  # noqa: N802
+        self, request: PullAppMessagesRequest
+    ) -> PullAppMessagesResponse:
+        return handlers.pull_messages(request, self._state, self._task())
+
+    def PushMessages(  # noqa: N802
+        self, request: PushAppMessagesRequest
+    ) -> PushAppMessagesResponse:
+        return handlers.push_messages(request, self._state, self._task())
+
+    def PullObject(self, request: PullObjectRequest) -> PullObjectResponse:  # noqa: N802
+        return handlers.pull_object(request, self._state, self._task())
+
+    def PushObject(self, request: PushObjectRequest) -> PushObjectResponse:  # noqa: N802
+        return handlers.push_object(request, self._state, self._task())
+
+    def ConfirmMessageReceived(  # noqa: N802
+        self, request: ConfirmMessageReceivedRequest
+    ) -> ConfirmMessageReceivedResponse:
+        return handlers.confirm_message_received(request, self._state, self._task())
+
+    def task_heartbeat(self) -> bool:
+        """The task's heartbeat. Flower's HTTP version raises SIGINT in its process when the
+        SuperNode no longer knows the task, which here would stop the SuperNode itself: a lost
+        task is only logged (its reply is then refused by the state)."""
+        task = self._state.get_task_by_token(self._token) if self._token else None
+        if task is None or not self._state.acknowledge_task_heartbeat(task.task_id):
+            logger.warning("the SuperNode no longer holds this ClientApp task")
+        return True
+
+    def close(self) -> None:
+        """Nothing to release: no connection (the HTTP client's ``close`` counterpart)."""
+
+
+def direct_link(state_factory: NodeStateFactory) -> Callable[[str | None], RuntimeHttpClient]:
+    """A client maker for :class:`~.warm_runtime.WarmRuntime`: token -> direct client (typed
+    as the HTTP client whose methods it has, which is what Flower's task I/O expects)."""
+    return lambda token: cast(RuntimeHttpClient, DirectRuntimeClient(state_factory, token))
+
+
+def runtime_api_address(host: str, port: int) -> str:
+    """Where a local process reaches the SuperNode's Runtime API bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[], ClientApp],
+                       reply_stored: threading.Event) -> None:
+    """Make Flower's ``flower-supernode`` (modules ``cli`` and ``loop``) answer its ClientApp
+    tasks in its own process.
+
+    Once the SuperNode has its state and Runtime API (which stays up: the first message of a
+    FAB goes through Flower's fresh-process path, see :mod:`.warm_runtime`), a daemon thread
+    runs :class:`~.warm_runtime.WarmRuntime` on a :class:`DirectRuntimeClient`. It is woken as
+    soon as the loop has stored a message, and sets ``reply_stored`` when a task is done, for
+    the loop's reply wait (see :mod:`.supernode_launcher`).
+    """
+    from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime  # noqa: PLC0415 (import cycle)
+
+    start_api = getattr(cli, "_start_supernode_http_api")  # noqa: B009 - Flower 1.39's
+    pull_and_store = getattr(loop, "_pull_and_store_message")  # noqa: B009
+
+    def start_api_and_runtime(config: Any, state_factory: NodeStateFactory) -> Any:
+        started = start_api(config, state_factory)
+        runtime = WarmRuntime(runtime_api_address(config.host, config.port), load_app(),
+                              WOKEN_POLL_SECONDS, connect=direct_link(state_factory),
+                              on_task_done=reply_stored.set)
+
+        def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
+            run_id = pull_and_store(*args, **kwargs)
+            if run_id is not None:
+                runtime.wake.set()
+            return run_id
+
+        setattr(loop, "_pull_and_store_message", pull_store_and_wake)  # noqa: B010
+        threading.Thread(target=runtime.serve, name="dpcfl-clientapp", daemon=True).start()
+        logger.info("ClientApp tasks are answered in the SuperNode's process")
+        return started
+
+    setattr(cli, "_start_supernode_http_api", start_api_and_runtime)  # noqa: B010

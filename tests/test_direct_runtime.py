@@ -1,0 +1,86 @@
+"""The in-SuperNode runtime acts on Flower's own NodeState exactly as the HTTP Runtime API would:
+tasks are acquired once, every task call needs a live token, and a lost task never stops the
+SuperNode (the deployment tests run a whole R-DPCFL run through it over gRPC)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from flwr.proto.message_pb2 import PullObjectRequest  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+    AcquireTaskRequest,
+    PullTaskInputRequest,
+)
+from flwr.supercore.constant import TaskType
+from flwr.supercore.error import ApiErrorCode, FlowerError
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supernode.nodestate import NodeStateFactory
+
+from dpcfl_flwr.deploy.direct_runtime import DirectRuntimeClient, runtime_api_address
+
+CLIENT_APP = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
+
+
+@pytest.fixture
+def factory() -> NodeStateFactory:
+    return NodeStateFactory(ObjectStoreFactory())
+
+
+def _pending_task(factory: NodeStateFactory) -> int:
+    task_id = factory.state().create_task(task_type=TaskType.CLIENT_APP, run_id=7,
+                                          fab_hash="f" * 64)
+    assert task_id is not None
+    return task_id
+
+
+def test_a_pending_task_is_acquired_once_with_a_token_the_state_knows(factory):
+    task_id = _pending_task(factory)
+    acquirer = DirectRuntimeClient(factory)
+    first = acquirer.AcquireTask(CLIENT_APP)
+    assert first.task.task_id == task_id and first.token
+    assert factory.state().get_task_by_token(first.token).task_id == task_id
+    assert not acquirer.AcquireTask(CLIENT_APP).token  # claimed: nobody gets it twice
+    assert not acquirer.AcquireTask(AcquireTaskRequest()).HasField("task")
+
+
+def test_task_calls_without_a_valid_token_are_refused_as_over_http(factory):
+    _pending_task(factory)
+    for token in (None, "not-a-token"):
+        client = DirectRuntimeClient(factory, token)
+        for call, request in ((client.PullTaskInput, PullTaskInputRequest()),
+                              (client.PullObject, PullObjectRequest(object_id="x"))):
+            with pytest.raises(FlowerError) as refused:
+                call(request)
+            assert refused.value.code == ApiErrorCode.RUNTIME_AUTHENTICATION_FAILED
+
+
+def test_a_task_call_with_its_token_reaches_flowers_handler(factory):
+    _pending_task(factory)
+    acquired = DirectRuntimeClient(factory).AcquireTask(CLIENT_APP)
+    client = DirectRuntimeClient(factory, acquired.token)
+    # Flower's handler, past authentication: the run was never stored, and it says so
+    with pytest.raises(FlowerError) as missing:
+        client.PullTaskInput(PullTaskInputRequest())
+    assert missing.value.code == ApiErrorCode.RUN_ID_NOT_FOUND
+    assert not client.PullObject(PullObjectRequest(object_id="absent")).object_found
+
+
+def test_a_heartbeat_keeps_a_claimed_task_and_a_lost_one_only_logs(factory, caplog):
+    _pending_task(factory)
+    acquired = DirectRuntimeClient(factory).AcquireTask(CLIENT_APP)
+    ours = "dpcfl_flwr.deploy.direct_runtime"
+    with caplog.at_level(logging.WARNING, logger=ours):
+        assert DirectRuntimeClient(factory, acquired.token).task_heartbeat()
+        assert not [r for r in caplog.records if r.name == ours]
+        # Flower's HTTP heartbeat would raise SIGINT here, in the SuperNode's own process
+        assert DirectRuntimeClient(factory, "gone").task_heartbeat()
+    assert [r.message for r in caplog.records if r.name == ours] == [
+        "the SuperNode no longer holds this ClientApp task"]
+
+
+@pytest.mark.parametrize(("host", "expected"), [
+    ("127.0.0.1", "127.0.0.1:9100"), ("0.0.0.0", "127.0.0.1:9100"), ("::", "[::1]:9100"),
+    ("silo.local", "silo.local:9100")])
+def test_the_fresh_process_path_reaches_the_runtime_api_where_it_listens(host, expected):
+    assert runtime_api_address(host, 9100) == expected
