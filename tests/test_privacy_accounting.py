@@ -20,6 +20,7 @@ from dpcfl_flwr.privacy import (
     split_budget,
     two_stage_schedule,
 )
+from dpcfl_flwr.privacy.rdp import sgm_rdp_single
 
 DELTA = 1e-4
 
@@ -147,3 +148,14 @@ def test_rdp_accountant_history_matches_schedule_epsilon():
     theirs = accountant.get_epsilon(DELTA, alphas=list(DEFAULT_ORDERS))
     ours = schedule_epsilon(two_stage_schedule(8000, 32, 1, 200), z, DELTA, "tight")
     assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+def test_a_remembered_curve_is_the_computed_one_and_callers_cannot_change_it():
+    first = sgm_rdp(0.064, 1.18, 16, DEFAULT_ORDERS)  # computed (or remembered from above)
+    direct = np.array([sgm_rdp_single(0.064, 1.18, a) for a in DEFAULT_ORDERS]) * 16
+    assert np.array_equal(first, direct)
+    first *= 0  # the caller owns its result
+    assert np.array_equal(sgm_rdp(0.064, 1.18, 16, list(DEFAULT_ORDERS)), direct)
+    # equal floats of another type name the same curve; another order grid is another curve
+    assert np.array_equal(sgm_rdp(np.float64(0.064), 1.18, 16, DEFAULT_ORDERS), direct)
+    assert sgm_rdp(0.064, 1.18, 16, DEFAULT_ORDERS[:5]).shape == (5,)
