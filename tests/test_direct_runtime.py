@@ -5,8 +5,13 @@ SuperNode (the deployment tests run a whole R-DPCFL run through it over gRPC).""
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+import time
+import types
 
 import pytest
+from flwr.clientapp import ClientApp
 from flwr.proto.message_pb2 import PullObjectRequest  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
     AcquireTaskRequest,
@@ -17,7 +22,14 @@ from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supernode.nodestate import NodeStateFactory
 
-from dpcfl_flwr.deploy.direct_runtime import DirectRuntimeClient, runtime_api_address
+from dpcfl_flwr.deploy.direct_runtime import (
+    DirectRuntimeClient,
+    direct_link,
+    runtime_api_address,
+    serve_in_supernode,
+    serve_or_stop,
+)
+from dpcfl_flwr.deploy.warm_runtime import WarmRuntime
 
 CLIENT_APP = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
 
@@ -84,3 +96,59 @@ def test_a_heartbeat_keeps_a_claimed_task_and_a_lost_one_only_logs(factory, capl
     ("silo.local", "silo.local:9100")])
 def test_the_fresh_process_path_reaches_the_runtime_api_where_it_listens(host, expected):
     assert runtime_api_address(host, 9100) == expected
+
+
+class _BrokenFactory(NodeStateFactory):
+    def state(self):  # what a corrupted SuperNode state would do to the runtime
+        raise RuntimeError("state unavailable")
+
+
+def test_a_failing_runtime_stops_its_supernode_gracefully(monkeypatch):
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        runtime = WarmRuntime("127.0.0.1:1", ClientApp(), 0.01,
+                              connect=direct_link(_BrokenFactory(ObjectStoreFactory())))
+        thread = threading.Thread(target=serve_or_stop, args=(runtime,))
+        thread.start()
+        thread.join(timeout=10)
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs in this (main) thread
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+
+
+class _CountingFactory(NodeStateFactory):
+    """Flower's factory, counting the runtime's looks at the state (one per AcquireTask)."""
+
+    looks = 0
+
+    def state(self):
+        self.looks += 1
+        return super().state()
+
+
+def test_the_supernode_starts_the_runtime_with_its_api_and_its_loop_wakes_it():
+    factory = _CountingFactory(ObjectStoreFactory())
+    started = object()
+    cli = types.SimpleNamespace(_start_supernode_http_api=lambda config, state: started)
+    runs = iter([None, 7])
+    loop = types.SimpleNamespace(_pull_and_store_message=lambda **_: next(runs))
+    done = threading.Event()
+    serve_in_supernode(cli, loop, ClientApp, done)
+    config = types.SimpleNamespace(host="0.0.0.0", port=9100)
+    assert cli._start_supernode_http_api(config, factory) is started  # Flower's result
+    (thread,) = [t for t in threading.enumerate() if t.name == "dpcfl-clientapp"]
+    assert thread.daemon
+    time.sleep(0.3)
+    first = factory.looks  # the first look, then a 10 s wait
+    assert first >= 1
+    assert loop._pull_and_store_message(state=None) is None  # nothing stored: no wake-up
+    time.sleep(0.3)
+    assert factory.looks == first
+    assert loop._pull_and_store_message(state=None) == 7  # a message stored: look at once
+    time.sleep(0.3)
+    assert factory.looks > first
+    assert thread.is_alive() and not done.is_set()  # no task in the state: back to waiting

@@ -18,6 +18,8 @@ the state, as the HTTP router does.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -49,6 +51,8 @@ from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.nodestate import NodeState, NodeStateFactory
 from flwr.supernode.servicer.runtime import runtime_handlers as handlers
+
+from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,18 @@ def runtime_api_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def serve_or_stop(runtime: WarmRuntime) -> None:
+    """Serve until the process ends; if serving fails, stop the SuperNode the graceful way
+    (SIGTERM, it says goodbye to the SuperLink), as a silo's supervisor did when a separate
+    runtime process died: a SuperNode that takes messages nobody answers would hold up every
+    round until its timeout."""
+    try:
+        runtime.serve()
+    except Exception:  # noqa: BLE001 - reported, then the whole silo stops
+        logger.exception("the ClientApp runtime failed; stopping the SuperNode")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[], ClientApp],
                        reply_stored: threading.Event) -> None:
     """Make Flower's ``flower-supernode`` (modules ``cli`` and ``loop``) answer its ClientApp
@@ -146,8 +162,6 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
     soon as the loop has stored a message, and sets ``reply_stored`` when a task is done, for
     the loop's reply wait (see :mod:`.supernode_launcher`).
     """
-    from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime  # noqa: PLC0415 (import cycle)
-
     start_api = getattr(cli, "_start_supernode_http_api")  # noqa: B009 - Flower 1.39's
     pull_and_store = getattr(loop, "_pull_and_store_message")  # noqa: B009
 
@@ -164,7 +178,8 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
             return run_id
 
         setattr(loop, "_pull_and_store_message", pull_store_and_wake)  # noqa: B010
-        threading.Thread(target=runtime.serve, name="dpcfl-clientapp", daemon=True).start()
+        threading.Thread(target=serve_or_stop, args=(runtime,), name="dpcfl-clientapp",
+                         daemon=True).start()
         logger.info("ClientApp tasks are answered in the SuperNode's process")
         return started
 

@@ -14,13 +14,20 @@ The waits are module-level ``time.sleep`` calls, so the launcher swaps that modu
 for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
 was written against and otherwise runs the SuperNode with Flower's own waits and says so.
 
+With ``--clientapp-in-process`` (what a warm silo runs, flwr 1.39.0 only) the SuperNode also
+answers its ClientApp tasks in its own process (:mod:`.direct_runtime`); its reply wait then
+ends as soon as the task is done instead of at the next check. The SuperNode's local Runtime
+API (uvicorn) ticks once a second instead of ten times: 21 idle silos' ticks were CPU that
+the training silos on the same cores did not get.
+
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
 channel's finaliser could block the interpreter's shutdown for good (seen here: orphaned
 SuperNodes stuck in ``Channel.__del__`` after a deployment was torn down, and Flower's own
 force-exit thread cannot run once the interpreter is finalising).
 
-  python -m dpcfl_flwr.deploy.supernode_launcher --idle-poll 0.5 <flower-supernode arguments>
+  python -m dpcfl_flwr.deploy.supernode_launcher [--clientapp-in-process] [--idle-poll 0.5]
+      <flower-supernode arguments>
 """
 
 from __future__ import annotations
@@ -148,8 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _show_our_logs() -> None:
-    """Our modules' INFO lines on stderr, next to Flower's (a separate runtime process did
-    this in its own ``main``)."""
+    """Our modules' INFO lines (the warm ClientApp's) on stderr, next to Flower's."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     ours = logging.getLogger("dpcfl_flwr")
