@@ -120,6 +120,13 @@ def test_a_failing_runtime_stops_its_supernode_gracefully(monkeypatch):
     assert received == [signal.SIGTERM]
 
 
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 class _CountingFactory(NodeStateFactory):
     """Flower's factory, counting the runtime's looks at the state (one per AcquireTask)."""
 
@@ -142,13 +149,11 @@ def test_the_supernode_starts_the_runtime_with_its_api_and_its_loop_wakes_it():
     assert cli._start_supernode_http_api(config, factory) is started  # Flower's result
     (thread,) = [t for t in threading.enumerate() if t.name == "dpcfl-clientapp"]
     assert thread.daemon
-    time.sleep(0.3)
-    first = factory.looks  # the first look, then a 10 s wait
-    assert first >= 1
+    _wait_for(lambda: factory.looks >= 1)  # the first look, then a 10 s wait
+    first = factory.looks
     assert loop._pull_and_store_message(state=None) is None  # nothing stored: no wake-up
     time.sleep(0.3)
     assert factory.looks == first
     assert loop._pull_and_store_message(state=None) == 7  # a message stored: look at once
-    time.sleep(0.3)
-    assert factory.looks > first
+    _wait_for(lambda: factory.looks > first, seconds=5)  # well before the 10 s poll
     assert thread.is_alive() and not done.is_set()  # no task in the state: back to waiting
