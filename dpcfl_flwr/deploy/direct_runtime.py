@@ -72,8 +72,11 @@ class DirectRuntimeClient:
     def _state(self) -> NodeState:
         return self._state_factory.state()
 
+    def _held_task(self) -> Task | None:
+        return self._state.get_task_by_token(self._token) if self._token else None
+
     def _task(self) -> Task:
-        task = self._state.get_task_by_token(self._token) if self._token else None
+        task = self._held_task()
         if task is None:
             raise FlowerError(ApiErrorCode.RUNTIME_AUTHENTICATION_FAILED,
                               "Runtime task-token authentication failed.")
@@ -115,7 +118,7 @@ class DirectRuntimeClient:
         """The task's heartbeat. Flower's HTTP version raises SIGINT in its process when the
         SuperNode no longer knows the task, which here would stop the SuperNode itself: a lost
         task is only logged (its reply is then refused by the state)."""
-        task = self._state.get_task_by_token(self._token) if self._token else None
+        task = self._held_task()
         if task is None or not self._state.acknowledge_task_heartbeat(task.task_id):
             logger.warning("the SuperNode no longer holds this ClientApp task")
         return True

@@ -129,22 +129,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
     slow_runtime_api_tick(uvicorn.Server)
     idle_poll = options.idle_poll
-    in_process = options.clientapp_in_process and flwr.__version__ == PATCHED_FLOWER
-    reply_stored = threading.Event() if in_process else None
+    if options.clientapp_in_process and flwr.__version__ != PATCHED_FLOWER:
+        print(f"dpcfl: --clientapp-in-process needs flwr {PATCHED_FLOWER}, not "
+              f"{flwr.__version__}", file=sys.stderr, flush=True)
+        os._exit(2)
+    reply_stored = threading.Event() if options.clientapp_in_process else None
     if shorten_waits(loop, flwr.__version__, idle_poll, reply_stored):
         print(f"dpcfl: SuperNode polls the SuperLink every {idle_poll:g} s when idle "
               f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
     else:
         print(f"dpcfl: flwr {flwr.__version__} is not {PATCHED_FLOWER}; the SuperNode keeps "
               "Flower's own poll waits", file=sys.stderr, flush=True)
-    if options.clientapp_in_process:
-        if reply_stored is None:
-            print("dpcfl: --clientapp-in-process needs flwr " + PATCHED_FLOWER,
-                  file=sys.stderr, flush=True)
-            os._exit(2)
+    if reply_stored is not None:
         cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
 
-        from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (imports torch)
+        from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (warm silos only)
         _show_our_logs()
         serve_in_supernode(cli, loop, _load_client_app, reply_stored)
     sys.argv = ["flower-supernode", *rest]
