@@ -26,7 +26,8 @@ rounds 2..R's capacity (W cores x wall) is split into the silos' work, each role
 and idle time: where the overhead goes.
 
   python bench/overhead.py [--rounds 4] [--transports simulation,grpc,grpc-per-message]
-                           [--idle-poll S] [--cpus-per-client C] [--by-process] [--no-append]
+                           [--idle-poll S] [--pull-hold S] [--cpus-per-client C]
+                           [--by-process] [--no-append]
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def simulation(rounds: int, root: Path, scale: dict[str, int],
     return json.loads((out / "results.json").read_text())
 
 
-def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str) -> dict:
+def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
+         server_options: tuple[str, ...] = ()) -> dict:
     deployment = LocalDeployment(root / "grpc", clusters="3,6,6,6")
     try:
-        deployment.up("--in-memory")  # 21 silos on 2 cores overrun SQLite's busy timeout
+        # in memory: 21 silos on 2 cores overrun SQLite's busy timeout
+        deployment.up("--in-memory", *server_options)
         for i in range(deployment.silos):
             deployment.silo(i, *silo_options)
         config = quick(rounds, deployment.root / "run", scale)
@@ -151,20 +154,24 @@ def main() -> None:
                         help="Ray CPUs per silo in simulation (2/3: three workers on 2 cores)")
     parser.add_argument("--idle-poll", type=float,
                         help="gRPC silos' SuperLink poll when idle (default: the silo file's)")
+    parser.add_argument("--pull-hold", type=float,
+                        help="how long the SuperLink may hold an idle silo's poll (default: "
+                             "`dpcfl server`'s; 0: Flower's immediate answer)")
     parser.add_argument("--by-process", action="store_true",
                         help="also split each transport's rounds 2..R by process role")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     scale = {"samples-per-client": args.samples_per_client} if args.samples_per_client else {}
     poll = ("--idle-poll", f"{args.idle_poll:g}") if args.idle_poll else ()
+    hold = ("--pull-hold", f"{args.pull_hold:g}") if args.pull_hold is not None else ()
     table, summary, splits = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.transports.split(","):
             started = time.perf_counter()
             run = {"simulation": lambda r, d, s: simulation(r, d, s, args.cpus_per_client),
-                   "grpc": lambda r, d, s: grpc(r, d, s, *poll),
+                   "grpc": lambda r, d, s: grpc(r, d, s, *poll, server_options=hold),
                    "grpc-per-message": lambda r, d, s: grpc(r, d, s, "--process-per-message",
-                                                            *poll)}[name]
+                                                            *poll, server_options=hold)}[name]
             root = Path(tmp) / name
             progress = root / ("simulation" if name == "simulation" else "grpc/run") / (
                 "progress.jsonl")

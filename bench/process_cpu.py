@@ -28,6 +28,7 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("supernode_launcher", "SuperNodes"),
     ("flower-supernode", "SuperNodes"),
     ("flwr-serverapp", "ServerApp"),
+    ("superlink_launcher", "SuperLink"),
     ("flower-superlink", "SuperLink"),
     ("flwr run", "flwr CLI"),
     ("ray::", "Ray workers"),

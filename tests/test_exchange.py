@@ -27,13 +27,15 @@ class SlowGrid(GridDouble):
         super().__init__({node: self._answer for node in after})
         self.after = after
         self.visible_at: dict[str, float] = {}
-        self.pulls = 0
+        self.pulls = self.pushes = 0
+        self.held = 0.0  # seconds an empty pull waits, as a holding SuperLink's does
 
     @staticmethod
     def _answer(message: Message) -> Message:
         return Message(RecordDict({"m": MetricRecord({"ok": 1})}), reply_to=message)
 
     def push_messages(self, messages):
+        self.pushes += 1
         ids = list(super().push_messages(messages))
         for i, message in zip(ids, self.sent[-len(ids):], strict=True):
             self.visible_at[i] = time.monotonic() + self.after[message.metadata.dst_node_id]
@@ -43,6 +45,12 @@ class SlowGrid(GridDouble):
         self.pulls += 1
         now = time.monotonic()
         ready = [i for i in message_ids if self.visible_at.get(i, float("inf")) <= now]
+        if not ready and self.held:  # wait for the first reply, at most ``held`` s
+            first = min((self.visible_at.get(i, float("inf")) for i in message_ids),
+                        default=float("inf"))
+            time.sleep(max(0.0, min(first, now + self.held) - now))
+            now = time.monotonic()
+            ready = [i for i in message_ids if self.visible_at.get(i, float("inf")) <= now]
         return super().pull_messages(ready)
 
 
@@ -91,3 +99,32 @@ def test_replies_that_never_come_are_missing_after_the_timeout():
     result = exchange(grid, _messages([1, 2]), timeout=0.8)
     assert list(result.replies) == [1] and result.missing == [2]
     assert time.monotonic() - started < 0.8 + 0.2
+
+
+@pytest.mark.usefixtures("server_task_identity")
+def test_a_round_goes_out_in_one_push_and_a_refused_message_is_missing():
+    class Refusing(SlowGrid):
+        def push_messages(self, messages):  # Flower's in-memory grid drops refused ones
+            messages = list(messages)
+            ids = list(super().push_messages(messages))
+            return [i for i, m in zip(ids, messages, strict=True)
+                    if m.metadata.dst_node_id != 2]
+
+    grid = Refusing({1: 0.0, 2: 0.0, 3: 0.0})
+    result = exchange(grid, _messages([1, 2, 3]), timeout=2.0)
+    assert grid.pushes == 1
+    assert sorted(result.replies) == [1, 3] and result.missing == [2]
+
+
+@pytest.mark.usefixtures("server_task_identity")
+def test_a_poll_the_link_held_is_not_followed_by_a_wait():
+    # The link holds an empty pull up to 0.3 s until a reply is ready. Polling again at once
+    # after a held pull keeps the exchange listening: the reply at 2.5 s is collected then.
+    # Waiting the backed-off delay (0.25-0.5 s by then) after each held pull would leave it
+    # deaf for a third of the time (here: the reply collected at ~2.84 s).
+    grid = SlowGrid({1: 2.5})
+    grid.held = 0.3
+    started = time.monotonic()
+    result = exchange(grid, _messages([1]), timeout=5.0)
+    assert list(result.replies) == [1]
+    assert time.monotonic() - started < 2.5 + 0.15

@@ -43,6 +43,21 @@ def test_short_waits_maps_flowers_constants_and_leaves_other_sleeps_alone():
         ShortWaits(0)
 
 
+def test_the_idle_wait_counts_from_the_previous_polls_start():
+    # A SuperLink that held the empty poll (deploy/superlink_launcher.py) made the silo wait
+    # already: the SuperNode asks again at once. A poll answered at once waits the full time.
+    waits = ShortWaits(0.3)
+    waits.sleep(FLOWER_IDLE_WAIT)
+    time.sleep(0.4)  # a held poll
+    started = time.perf_counter()
+    waits.sleep(FLOWER_IDLE_WAIT)
+    assert time.perf_counter() - started < 0.05
+    time.sleep(0.1)  # a poll answered within 0.1 s
+    started = time.perf_counter()
+    waits.sleep(FLOWER_IDLE_WAIT)
+    assert 0.15 <= time.perf_counter() - started < 0.3
+
+
 def test_shorten_waits_patches_the_real_loop_only_for_the_known_version(monkeypatch):
     monkeypatch.setattr(loop, "time", time)
     assert not shorten_waits(loop, "1.40.0", 0.5) and loop.time is time

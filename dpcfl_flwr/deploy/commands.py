@@ -34,6 +34,7 @@ from .silo_file import (
     use_this_environment,
 )
 from .superlink import (
+    DEFAULT_PULL_HOLD,
     ServerSettings,
     check_server,
     register_keys,
@@ -89,6 +90,9 @@ def server(
     in_memory: bool = typer.Option(False, "--in-memory",
                                    help="Keep SuperLink state in memory (lost on restart)."),
     connection: str = typer.Option("dpcfl", "--connection", help="Name for `flwr run . NAME`."),
+    pull_hold: float = typer.Option(
+        DEFAULT_PULL_HOLD, "--pull-hold",
+        help="Seconds an idle silo's poll may wait for work (0: answer at once)."),
     register: list[Path] = typer.Option(None, "--register", help="Silo public keys to admit."),
     ready_file: Path = typer.Option(None, "--ready-file",
                                     help="Created once keys are registered (health checks)."),
@@ -99,13 +103,14 @@ def server(
         ready_file.unlink(missing_ok=True)
     settings = ServerSettings(certs_dir, insecure, not (no_node_auth or insecure), fleet, api,
                               state, connection, register=list(register or []),
-                              in_memory=in_memory)
+                              in_memory=in_memory, pull_hold=pull_hold)
     _stop_if(check_server(settings))
     command = superlink_command(settings)
     _print_plan("SuperLink", {
         "fleet API (silos, gRPC)": fleet, "control API (flwr run)": api,
         "TLS": "off (insecure)" if insecure else f"on ({certs_dir})",
         "node authentication": "on" if settings.node_auth else "off",
+        "idle silo polls held": f"up to {pull_hold:g} s" if pull_hold else "no",
         "keys to register": str(len(settings.register)), "state": settings.database,
         "flwr connection": f"{connection} in {settings.flwr_home / 'config.toml'}",
         "command": " ".join(command)})

@@ -1,7 +1,8 @@
 """The SuperLink side of a deployment: its command, its Flower connection, node registration.
 
-``dpcfl server`` starts ``flower-superlink`` with TLS and node authentication unless told
-``--insecure``, writes the connection that ``flwr run . <name>`` uses into the Flower
+``dpcfl server`` starts ``flower-superlink`` (through :mod:`.superlink_launcher`, which lets
+its Fleet API hold an idle silo's poll until work arrives) with TLS and node authentication
+unless told ``--insecure``, writes the connection that ``flwr run . <name>`` uses into the Flower
 configuration (``$FLWR_HOME/config.toml``), registers the silos' public keys, and then stays
 in the foreground with the SuperLink.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ import tomli_w
 from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 
 from .silo_file import _check_certificate, flower_tool
+from .superlink_launcher import DEFAULT_PULL_HOLD
 
 
 @dataclass
@@ -37,6 +40,9 @@ class ServerSettings:
     # Flower's in-memory state: nothing survives a SuperLink restart, but no SQLite file whose
     # 5 s busy timeout a CPU-starved SuperLink can overrun ("database is locked").
     in_memory: bool = False
+    # Seconds the Fleet API may hold a SuperNode's empty poll until work for it arrives
+    # (:mod:`.superlink_launcher`); 0 answers at once, as Flower does.
+    pull_hold: float = DEFAULT_PULL_HOLD
 
     @property
     def database(self) -> str:
@@ -65,6 +71,8 @@ def check_server(s: ServerSettings) -> list[str]:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             problems.append(f"{address!r} is not host:port")
+    if s.pull_hold < 0:
+        problems.append(f"--pull-hold must be 0 or more seconds, got {s.pull_hold:g}")
     for key in s.register:
         if not key.is_file():
             problems.append(f"public key {key} does not exist")
@@ -75,8 +83,8 @@ def check_server(s: ServerSettings) -> list[str]:
 
 def superlink_command(s: ServerSettings) -> list[str]:
     host, _, port = s.api_address.rpartition(":")
-    command = [flower_tool("flower-superlink") or "flower-superlink",
-               "--fleet-api-type", "grpc-rere",
+    command = [sys.executable, "-m", "dpcfl_flwr.deploy.superlink_launcher",
+               "--pull-hold", f"{s.pull_hold:g}", "--fleet-api-type", "grpc-rere",
                "--fleet-api-address", s.fleet_address, "--host", host, "--port", port,
                "--isolation", "subprocess", "--database", s.database,
                "--disable-runtime-dependency-installation"]

@@ -7,7 +7,10 @@ average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example o
 shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
 own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
 seconds and a tenth of it, but not below 0.1 s (a reply then leaves at most 0.1 s late;
-checking faster only adds turns of the SuperNode's locked state scan). Everything else
+checking faster only adds turns of the SuperNode's locked state scan). The idle wait counts
+from the previous poll's start: against a SuperLink that holds an empty poll until work
+arrives (:mod:`.superlink_launcher`, what ``dpcfl server`` runs) the silo asks again at once,
+against Flower's own SuperLink it polls every ``--idle-poll`` seconds. Everything else
 (gRPC, TLS, node authentication, retries) is Flower's code path.
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
@@ -66,11 +69,17 @@ class ShortWaits:
         self.idle_poll = idle_poll
         self.reply_poll = min(FLOWER_REPLY_WAIT, max(MIN_REPLY_POLL, idle_poll / 10))
         self.reply_stored = reply_stored
+        self._idle_wait_ended = time.monotonic()
 
     def sleep(self, seconds: float) -> None:
         if seconds == FLOWER_IDLE_WAIT:
-            seconds = self.idle_poll
-        elif seconds == FLOWER_REPLY_WAIT:
+            # Polls start at most every idle_poll s: a SuperLink that held the empty poll
+            # (:mod:`.superlink_launcher`) has already made the silo wait, so ask again now.
+            since_last_wait = time.monotonic() - self._idle_wait_ended
+            time.sleep(max(0.0, self.idle_poll - since_last_wait))
+            self._idle_wait_ended = time.monotonic()
+            return
+        if seconds == FLOWER_REPLY_WAIT:
             if self.reply_stored is not None:  # an in-process ClientApp says when it is done
                 self.reply_stored.wait(self.reply_poll)
                 self.reply_stored.clear()

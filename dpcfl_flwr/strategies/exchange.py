@@ -9,8 +9,9 @@ wait backs off while nothing arrives (x1.5 up to 0.5 s) and drops back to 50 ms 
 reply comes in: replies that trickle in are still collected within ~50 ms, and a silent
 stretch costs a poll every half second. In Flower's simulation engine the grid is in the
 same process and a poll costs next to nothing, so there it stays at 50 ms, and the wait ends
-early when the engine stores a reply (``engine_tuning.wait_for_replies``). Messages are pushed
-one by one so that every message id maps to its silo even when a push fails.
+early when the engine stores a reply (``engine_tuning.wait_for_replies``). A round's messages
+go in one push (one request and one object session instead of one per silo); the grid gives
+each message its id, which maps it back to its silo even when some are refused.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def exchange(
     started = time.monotonic()
     pending: dict[str, int] = {}
     result = Exchange()
+    pushed = {i for i in grid.push_messages(list(messages.values())) if i}
     for key, message in messages.items():
-        ids = [i for i in grid.push_messages([message]) if i]
-        if ids:
-            pending[ids[0]] = key
+        if message.metadata.message_id in pushed:  # the grid gave it its id on the push
+            pending[message.metadata.message_id] = key
         else:
             logger.warning("could not push a message to silo %s", key)
             result.missing.append(key)
@@ -74,6 +75,7 @@ def exchange(
     delay, ceiling = POLL_SECONDS / BACKOFF, longest_poll(grid)  # first wait: 50 ms
     while pending:
         arrived = 0
+        polled = time.monotonic()
         for reply in grid.pull_messages(list(pending)):
             if reply.metadata.reply_to_message_id not in pending:
                 continue
@@ -85,7 +87,10 @@ def exchange(
         if not pending or time.monotonic() >= deadline:
             break
         delay = next_poll_delay(delay, arrived > 0, ceiling)
-        wait_for_replies(grid, min(delay, max(0.0, deadline - time.monotonic())))
+        # Counted from the poll's start: a SuperLink that held an empty poll until a reply
+        # was ready (deploy/superlink_launcher.py) has already waited.
+        wait = delay - (time.monotonic() - polled)
+        wait_for_replies(grid, max(0.0, min(wait, deadline - time.monotonic())))
     result.missing.extend(pending.values())
     result.seconds = time.monotonic() - started
     return result

@@ -1,0 +1,236 @@
+"""``flower-superlink`` whose Fleet API holds a SuperNode's empty poll until work arrives.
+
+A Flower 1.39 SuperNode asks the SuperLink for work with a unary ``PullMessages`` call and,
+when there is none, sleeps and asks again. Every poll is a TLS request with a
+node-authentication signature that both sides handle in Python (~6 ms of CPU together,
+bench/RESULTS.md "Idle deployment"), so frequent polls cost the training cores CPU, and rare
+polls make a round reach its silos late. This launcher runs Flower's own SuperLink with one
+change: a ``PullMessages`` that finds nothing for its node waits (up to ``--pull-hold``
+seconds) until an instruction for that node is stored *with all its objects* and then
+answers with it; otherwise it answers "nothing" when the hold runs out, as before. Neither
+side's protocol changes: a SuperNode of any 1.39 build simply sees a slow empty answer, and
+with :mod:`.supernode_launcher` it polls again at once.
+
+"All its objects": the ServerApp pushes a message (which stores it and opens an object push
+session) and then the message's objects. A SuperNode that pulled the message before the
+objects were in would get "object unavailable" and back off for a second, so the wait ends
+when the push session that carries the message's missing objects is complete.
+
+The hold ends early when the call ends (the SuperNode went away, or the SuperLink is
+stopping), and then nothing is pulled: a message marked delivered to a caller that is gone
+would be lost. It patches Flower's classes only for the Flower version it was written
+against and otherwise runs the SuperLink unchanged and says so.
+
+  python -m dpcfl_flwr.deploy.superlink_launcher [--pull-hold 10] <flower-superlink arguments>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .supernode_launcher import PATCHED_FLOWER, exit_code_of
+
+DEFAULT_PULL_HOLD = 10.0  # seconds; an idle SuperNode then polls ~6x a minute
+REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
+
+
+class Arrivals:
+    """What became complete (stored with all its objects) for whom: per SuperNode, a count of
+    its complete instructions; for the ServerApp, a count of complete replies and the
+    instructions whose reply is stored but still missing objects. A held pull waits for its
+    count to change. Objects arrive in a push session after the message that needs them, so
+    a message with missing objects becomes complete when its session ends."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count: dict[int, int] = defaultdict(int)  # per SuperNode
+        self._replies = 0
+        self._incomplete_replies: set[str] = set()  # instruction ids
+        self._on_session_end: dict[str, list[Callable[[], None]]] = defaultdict(list)
+
+    def seen(self, node_id: int) -> int:
+        with self._changed:
+            return self._count[node_id]
+
+    def replies_seen(self) -> int:
+        with self._changed:
+            return self._replies
+
+    def complete(self, instruction_ids: Sequence[str]) -> list[str]:
+        """The ids among ``instruction_ids`` whose reply is not half-pushed."""
+        with self._changed:
+            return [i for i in instruction_ids if i not in self._incomplete_replies]
+
+    def instruction_stored(self, node_id: int, session_id: str, missing: bool) -> None:
+        with self._changed:
+            def done() -> None:
+                self._count[node_id] += 1
+            self._settle(done, session_id if missing else None)
+
+    def reply_stored(self, instruction_id: str, session_id: str, missing: bool) -> None:
+        with self._changed:
+            def done() -> None:
+                self._incomplete_replies.discard(instruction_id)
+                self._replies += 1
+            if missing:
+                self._incomplete_replies.add(instruction_id)
+            self._settle(done, session_id if missing else None)
+
+    def _settle(self, done: Callable[[], None], session_id: str | None) -> None:
+        if session_id is None:
+            done()
+            self._changed.notify_all()
+        else:
+            self._on_session_end[session_id].append(done)
+
+    def session_ended(self, session_id: str) -> None:
+        with self._changed:
+            pending = self._on_session_end.pop(session_id, [])
+            for done in pending:
+                done()
+            if pending:
+                self._changed.notify_all()
+
+    def wake_all(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait(self, changed: Callable[[], bool], timeout: float) -> bool:
+        """Until ``changed()`` (called under the lock) or ``timeout`` s."""
+        with self._changed:
+            return self._changed.wait_for(changed, timeout)
+
+    def wait_for_node(self, node_id: int, seen: int, timeout: float,
+                      ended: Callable[[], bool]) -> bool:
+        return self.wait(lambda: self._count[node_id] != seen or ended(), timeout)
+
+    def wait_for_replies(self, seen: int, timeout: float) -> bool:
+        return self.wait(lambda: self._replies != seen, timeout)
+
+
+def announce_complete_messages(state_class: Any, arrivals: Arrivals,
+                               superlink_node_id: int) -> None:
+    """Make ``state_class`` (a LinkState) tell ``arrivals`` when a message is stored with
+    all its objects: at once when none is missing, else when the push session that brings
+    them ends."""
+    store = state_class.store_message_and_object_tree
+    end_session = state_class._cleanup_push_session
+
+    def store_message_and_object_tree(self: Any, message: Any, object_tree: Any,
+                                      session_id: str) -> tuple[bool, list[str]]:
+        stored, missing = store(self, message, object_tree, session_id)
+        metadata = message.metadata
+        if stored and metadata.reply_to_message_id:
+            arrivals.reply_stored(metadata.reply_to_message_id, session_id, bool(missing))
+        elif stored and metadata.dst_node_id != superlink_node_id:
+            arrivals.instruction_stored(metadata.dst_node_id, session_id, bool(missing))
+        return stored, missing
+
+    def _cleanup_push_session(self: Any, session_id: str, *, cleanup_messages: bool) -> None:
+        end_session(self, session_id, cleanup_messages=cleanup_messages)
+        arrivals.session_ended(session_id)
+
+    state_class.store_message_and_object_tree = store_message_and_object_tree
+    state_class._cleanup_push_session = _cleanup_push_session
+
+
+def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> None:
+    """Make ``servicer_class.PullMessages`` (the SuperNodes' Fleet API) wait up to ``hold`` s
+    for work instead of answering "nothing" at once."""
+    pull = servicer_class.PullMessages
+
+    def PullMessages(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        node_id = request.node.node_id
+        deadline = time.monotonic() + hold
+        ended = threading.Event()
+
+        def call_ended() -> None:
+            ended.set()
+            arrivals.wake_all()
+
+        context.add_callback(call_ended)
+        while True:
+            seen = arrivals.seen(node_id)
+            response = pull(self, request, context)
+            left = deadline - time.monotonic()
+            if response.messages_list or left <= 0:
+                return response
+            arrivals.wait_for_node(node_id, seen, left, ended.is_set)
+            if ended.is_set():  # nobody to deliver to: leave the message for the next poll
+                return response
+
+    servicer_class.PullMessages = PullMessages
+
+
+def hold_reply_pulls(handlers: Any, arrivals: Arrivals, hold: float) -> None:
+    """Make the ServerApp's ``pull_messages`` (Runtime API) hand over only replies stored
+    with all their objects (Flower's ServerApp backs off a second on a half-pushed one) and,
+    when none is ready, wait up to ``hold`` s for one."""
+    pull = handlers.pull_messages
+
+    def pull_messages(request: Any, state: Any, task: Any) -> Any:
+        deadline = time.monotonic() + hold
+        while True:
+            seen = arrivals.replies_seen()
+            ready = type(request)()
+            ready.CopyFrom(request)
+            del ready.message_ids[:]
+            ready.message_ids.extend(arrivals.complete(list(request.message_ids)))
+            response = pull(ready, state, task)
+            left = deadline - time.monotonic()
+            if response.messages_list or left <= 0:
+                return response
+            arrivals.wait_for_replies(seen, left)
+
+    handlers.pull_messages = pull_messages
+
+
+def install(hold: float, reply_hold: float) -> bool:
+    """Patch Flower's SuperLink; False (nothing changed) on another Flower version."""
+    import flwr
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+    from flwr.superlink.servicer.runtime import runtime_handlers
+
+    if flwr.__version__ != PATCHED_FLOWER or hold <= 0:
+        return False
+    arrivals = Arrivals()
+    for state_class in (InMemoryLinkState, SqlLinkState):
+        announce_complete_messages(state_class, arrivals, SUPERLINK_NODE_ID)
+    hold_empty_pulls(FleetServicer, arrivals, hold)
+    hold_reply_pulls(runtime_handlers, arrivals, reply_hold)
+    return True
+
+
+def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(our option --pull-hold; the rest, in order, for flower-superlink)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--pull-hold", type=float, default=DEFAULT_PULL_HOLD)
+    return parser.parse_known_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import flwr
+    from flwr.superlink.cli import flower_superlink
+
+    options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
+    if install(options.pull_hold, REPLY_HOLD):
+        print(f"dpcfl: the SuperLink holds an empty SuperNode poll up to "
+              f"{options.pull_hold:g} s until work arrives", file=sys.stderr, flush=True)
+    else:
+        print(f"dpcfl: SuperNode polls are answered at once (flwr {flwr.__version__}, "
+              f"--pull-hold {options.pull_hold:g})", file=sys.stderr, flush=True)
+    sys.argv = ["flower-superlink", *rest]
+    sys.exit(exit_code_of(flower_superlink))
+
+
+if __name__ == "__main__":
+    main()

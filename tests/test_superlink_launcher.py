@@ -1,0 +1,248 @@
+"""The SuperLink launcher: an idle SuperNode's poll is held until an instruction for it is
+stored with all its objects; the ServerApp is never handed a half-pushed reply and its empty
+poll waits for one; a poll whose call has ended takes nothing.
+
+Built on Flower's own in-memory link state, Fleet servicer and Runtime API handler (set up as
+Flower's simulation sets up its state); only the gRPC call context is a stand-in.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import flwr
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.fleet_pb2 import PullMessagesRequest  # pylint: disable=E0611
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import PullAppMessagesRequest  # pylint: disable=E0611
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    get_object_tree,
+    iterate_object_tree,
+)
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.servicer.runtime import runtime_handlers
+
+from dpcfl_flwr.deploy import superlink_launcher
+from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
+from dpcfl_flwr.deploy.superlink_launcher import (
+    Arrivals,
+    announce_complete_messages,
+    hold_empty_pulls,
+    hold_reply_pulls,
+    split_arguments,
+)
+from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
+
+RUN_ID, TASK_ID = 7, 11
+PROMPT = 0.25  # seconds: "answered at once" on a loaded 2-core machine
+
+
+class Call:
+    """The part of a gRPC servicer context the held pull uses: callbacks run when the call
+    ends (the SuperNode went away, or the server is stopping)."""
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+@pytest.fixture
+def link(task_identity):
+    """(state, Fleet servicer, Runtime API handlers, arrivals, node ids): Flower's in-memory
+    state of a run with two SuperNodes, its Fleet servicer and ServerApp handlers, patched as
+    the launcher patches them (on subclasses / a copy, so Flower's classes stay as they are)."""
+    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
+
+    class State(InMemoryLinkState):
+        pass
+
+    class Servicer(FleetServicer):
+        pass
+
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
+                               ObjectStoreFactory())
+    state = State(factory.federation_manager, factory.objectstore_factory.store())
+    factory.state_instance = state
+    run = Run.create_empty(run_id=RUN_ID)
+    run.primary_task_id, run.federation_id = TASK_ID, NOOP_FEDERATION_ID
+    state.run_ids[RUN_ID] = RunRecord(run=run)
+    state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
+    nodes = list(vce_api._register_nodes(2, factory))
+    arrivals = Arrivals()
+    announce_complete_messages(State, arrivals, SUPERLINK_NODE_ID)
+    hold_empty_pulls(Servicer, arrivals, hold=3.0)
+    handlers = types.SimpleNamespace(pull_messages=runtime_handlers.pull_messages)
+    hold_reply_pulls(handlers, arrivals, hold=1.0)
+    servicer = Servicer(state_factory=factory, objectstore_factory=factory.objectstore_factory,
+                        enable_supernode_auth=False)
+    return state, servicer, handlers, nodes
+
+
+def _model_message(node: int, reply_to: Message | None = None) -> Message:
+    content = RecordDict({"arrays": ArrayRecord({"packed": Array(
+        np.arange(8, dtype="float32") + node % 1000)})})
+    if reply_to is not None:
+        message = Message(content, reply_to=reply_to)
+    else:
+        message = Message(content, dst_node_id=node, message_type="train")
+    message.metadata.__dict__["_message_id"] = message.object_id  # as Flower's pushes do
+    return message
+
+
+def _store_message(state, message: Message) -> tuple[str, list[str]]:
+    """What a push does first (ServerApp: Runtime API; SuperNode: Fleet API): store the
+    message and open its object session. Returns (session, the objects still to push)."""
+    session = state.start_session(RUN_ID)
+    stored, missing = state.store_message_and_object_tree(
+        message, get_object_tree(message), session)
+    assert stored and missing
+    return session, missing
+
+
+def _push_objects(state, message: Message, session: str, missing: list[str]) -> None:
+    """The push's second part: the objects, one request each; the last ends the session."""
+    objects = get_all_nested_objects(message)
+    for object_id in missing:
+        assert state.store_object(RUN_ID, session, object_id, objects[object_id].deflate())
+
+
+def _pull(servicer, node: int, call: Call | None = None):
+    return servicer.PullMessages(PullMessagesRequest(node=Node(node_id=node)), call or Call())
+
+
+def _all_objects_available(state, message_id: str) -> bool:
+    tree = state.object_store.get_object_tree(message_id)
+    return all(state.object_store.get(t.object_id) for t in iterate_object_tree(tree))
+
+
+def test_an_idle_pull_waits_until_its_instruction_is_stored_with_all_its_objects(link):
+    state, servicer, _, (node, other) = link
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        held: Future = pool.submit(_pull, servicer, node)
+        time.sleep(0.3)
+        assert not held.done()  # nothing for the node yet: the poll is held
+        message = _model_message(node)
+        session, missing = _store_message(state, message)
+        time.sleep(0.3)
+        assert not held.done()  # stored, but its objects are not in yet
+        _push_objects(state, message, session, missing)
+        pushed = time.monotonic()
+        response = held.result(timeout=2.0)
+        answered = time.monotonic()
+    assert [m.metadata.message_id for m in response.messages_list] == [
+        message.metadata.message_id]
+    assert answered - pushed < PROMPT
+    assert answered - started < 3.0  # not the end of the hold
+    assert _all_objects_available(state, message.metadata.message_id)
+    assert not _pull(servicer, other, _ended_call()).messages_list  # not the other node's
+
+
+def _ended_call() -> Call:
+    call = Call()
+    call.add_callback(lambda: None)
+    return call
+
+
+def test_an_idle_pull_answers_nothing_when_the_hold_runs_out(link, monkeypatch):
+    state, servicer, _, (node, other) = link
+    started = time.monotonic()
+    message = _model_message(other)
+    _push_objects(state, message, *_store_message(state, message))  # wakes the wait, not ours
+    response = _pull(servicer, node)
+    assert not response.messages_list
+    assert 3.0 <= time.monotonic() - started < 3.0 + PROMPT
+    assert len(_pull(servicer, other).messages_list) == 1  # still there for its node
+
+
+def test_a_pull_whose_call_ended_takes_nothing(link):
+    state, servicer, _, (node, _) = link
+    call = Call()
+    with ThreadPoolExecutor(1) as pool:
+        held: Future = pool.submit(_pull, servicer, node, call)
+        time.sleep(0.2)
+        message = _model_message(node)
+        session, missing = _store_message(state, message)
+        call.end()  # the SuperNode went away while the objects were being pushed
+        ended = time.monotonic()
+        assert not held.result(timeout=2.0).messages_list
+        assert time.monotonic() - ended < PROMPT
+    _push_objects(state, message, session, missing)
+    # Not marked delivered to the caller that left: the SuperNode's next poll gets it.
+    assert len(_pull(servicer, node).messages_list) == 1
+
+
+def _instruction_delivered(state, servicer, node: int) -> Message:
+    message = _model_message(node)
+    _push_objects(state, message, *_store_message(state, message))
+    assert len(_pull(servicer, node).messages_list) == 1
+    return message
+
+
+def test_the_serverapp_gets_a_reply_only_once_its_objects_are_in(link):
+    state, servicer, handlers, (node, _) = link
+    instruction = _instruction_delivered(state, servicer, node)
+    reply = _model_message(node, reply_to=instruction)
+    session, missing = _store_message(state, reply)  # the SuperNode's push, objects pending
+    task = Task(task_id=TASK_ID, run_id=RUN_ID)
+    request = PullAppMessagesRequest(message_ids=[instruction.metadata.message_id])
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        assert not handlers.pull_messages(request, state, task).messages_list
+        assert 1.0 <= time.monotonic() - started < 1.0 + PROMPT  # held, then nothing
+        held: Future = pool.submit(handlers.pull_messages, request, state, task)
+        time.sleep(0.3)
+        _push_objects(state, reply, session, missing)
+        pushed = time.monotonic()
+        response = held.result(timeout=2.0)
+        assert time.monotonic() - pushed < PROMPT
+    assert [m.metadata.reply_to_message_id for m in response.messages_list] == [
+        instruction.metadata.message_id]
+    assert _all_objects_available(state, reply.metadata.message_id)
+
+
+def test_flowers_own_pull_hands_over_a_half_pushed_reply():
+    # Why the launcher filters: Flower's handler looks at the stored message only, and its
+    # ServerApp then backs off a second on the reply's missing objects.
+    import inspect
+
+    source = inspect.getsource(runtime_handlers.pull_messages)
+    assert "get_message_res" in source and "available" not in source
+
+
+def test_install_patches_only_the_known_flower_version(monkeypatch):
+    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+    assert not superlink_launcher.install(10.0, 1.0)
+    monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
+    assert not superlink_launcher.install(0.0, 1.0)  # --pull-hold 0: Flower's behaviour
+
+
+def test_the_superlink_runs_through_the_launcher_with_its_hold():
+    command = superlink_command(ServerSettings(insecure=True, node_auth=False, pull_hold=4))
+    assert command[1:5] == ["-m", "dpcfl_flwr.deploy.superlink_launcher", "--pull-hold", "4"]
+    options, rest = split_arguments(command[3:])
+    assert options.pull_hold == 4.0 and rest[:2] == ["--fleet-api-type", "grpc-rere"]
+    assert split_arguments([])[0].pull_hold == superlink_launcher.DEFAULT_PULL_HOLD
+    problems = check_server(ServerSettings(insecure=True, node_auth=False, pull_hold=-1))
+    assert any("--pull-hold" in p for p in problems)
