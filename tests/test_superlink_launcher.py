@@ -2,12 +2,13 @@
 stored with all its objects; the ServerApp is never handed a half-pushed reply and its empty
 poll waits for one; a poll whose call has ended takes nothing.
 
-Built on Flower's own in-memory link state, Fleet servicer and Runtime API handler (set up as
-Flower's simulation sets up its state); only the gRPC call context is a stand-in.
+Built on Flower's own link states (in memory and SQLite), Fleet servicer and Runtime API
+handler; only the gRPC call context is a stand-in.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,15 +25,15 @@ from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
 from flwr.server.superlink.fleet.vce import vce_api
 from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID, TaskType
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
     get_object_tree,
     iterate_object_tree,
 )
 from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.servicer.runtime import runtime_handlers
 
@@ -47,7 +48,6 @@ from dpcfl_flwr.deploy.superlink_launcher import (
 )
 from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
 
-RUN_ID, TASK_ID = 7, 11
 PROMPT = 0.25  # seconds: "answered at once" on a loaded 2-core machine
 
 
@@ -67,27 +67,32 @@ class Call:
             callback()
 
 
-@pytest.fixture
-def link(task_identity):
-    """(state, Fleet servicer, Runtime API handlers, arrivals, node ids): Flower's in-memory
-    state of a run with two SuperNodes, its Fleet servicer and ServerApp handlers, patched as
-    the launcher patches them (on subclasses / a copy, so Flower's classes stay as they are)."""
-    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
+@pytest.fixture(params=["in-memory", "sqlite"])
+def link(request, task_identity, tmp_path):
+    """(state, Fleet servicer, Runtime API handlers, node ids): Flower's link state (in memory,
+    or SQLite as `dpcfl server` keeps it by default) of a run with two SuperNodes, its Fleet
+    servicer and ServerApp handler, patched as the launcher patches them (on subclasses and a
+    copy, so Flower's own classes stay as they are)."""
+    base = InMemoryLinkState if request.param == "in-memory" else SqlLinkState
+    database = FLWR_IN_MEMORY_DB_NAME if request.param == "in-memory" else str(
+        tmp_path / "state.db")
 
-    class State(InMemoryLinkState):
+    class State(base):  # type: ignore[misc, valid-type]
         pass
 
     class Servicer(FleetServicer):
         pass
 
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
-                               ObjectStoreFactory())
-    state = State(factory.federation_manager, factory.objectstore_factory.store())
+    factory = LinkStateFactory(database, NoOpFederationManager(), ObjectStoreFactory(database))
+    args = () if base is InMemoryLinkState else (database,)
+    state = State(*args, factory.federation_manager, factory.objectstore_factory.store())
+    if base is SqlLinkState:
+        state.initialize()
     factory.state_instance = state
-    run = Run.create_empty(run_id=RUN_ID)
-    run.primary_task_id, run.federation_id = TASK_ID, NOOP_FEDERATION_ID
-    state.run_ids[RUN_ID] = RunRecord(run=run)
-    state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
+    run_id = state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                              TaskType.SERVER_APP)
+    task_id = state.get_run_info(run_ids=[run_id])[0].primary_task_id
+    task_identity(task_id, run_id, SUPERLINK_NODE_ID)
     nodes = list(vce_api._register_nodes(2, factory))
     arrivals = Arrivals()
     announce_complete_messages(State, arrivals, SUPERLINK_NODE_ID)
@@ -96,6 +101,7 @@ def link(task_identity):
     hold_reply_pulls(handlers, arrivals, hold=1.0)
     servicer = Servicer(state_factory=factory, objectstore_factory=factory.objectstore_factory,
                         enable_supernode_auth=False)
+    state.test_run_id = run_id  # what the helpers below push into
     return state, servicer, handlers, nodes
 
 
@@ -113,7 +119,7 @@ def _model_message(node: int, reply_to: Message | None = None) -> Message:
 def _store_message(state, message: Message) -> tuple[str, list[str]]:
     """What a push does first (ServerApp: Runtime API; SuperNode: Fleet API): store the
     message and open its object session. Returns (session, the objects still to push)."""
-    session = state.start_session(RUN_ID)
+    session = state.start_session(state.test_run_id)
     stored, missing = state.store_message_and_object_tree(
         message, get_object_tree(message), session)
     assert stored and missing
@@ -124,7 +130,8 @@ def _push_objects(state, message: Message, session: str, missing: list[str]) -> 
     """The push's second part: the objects, one request each; the last ends the session."""
     objects = get_all_nested_objects(message)
     for object_id in missing:
-        assert state.store_object(RUN_ID, session, object_id, objects[object_id].deflate())
+        assert state.store_object(state.test_run_id, session, object_id,
+                                  objects[object_id].deflate())
 
 
 def _pull(servicer, node: int, call: Call | None = None):
@@ -193,6 +200,39 @@ def test_a_pull_whose_call_ended_takes_nothing(link):
     assert len(_pull(servicer, node).messages_list) == 1
 
 
+@pytest.mark.usefixtures("server_task_identity")
+def test_news_of_a_complete_session_waits_for_the_store_call_to_return():
+    # With SQL state, the object that completes a session is committed when store_object
+    # returns, after the session has ended inside it: a pull woken before then could find
+    # the object missing. Here the store call takes 0.3 s more after ending the session.
+    arrivals = Arrivals()
+
+    class CommitsLate:
+        def store_message_and_object_tree(self, message, tree, session_id):
+            return True, ["object"]
+
+        def _cleanup_push_session(self, session_id, *, cleanup_messages):
+            pass
+
+        def store_object(self, run_id, session_id, object_id, content):
+            self._cleanup_push_session(session_id, cleanup_messages=False)
+            time.sleep(0.3)
+            return True
+
+    announce_complete_messages(CommitsLate, arrivals, SUPERLINK_NODE_ID)
+    state = CommitsLate()
+    message = Message(RecordDict(), dst_node_id=5, message_type="train")
+    state.store_message_and_object_tree(message, None, "s")
+    woken: list[float] = []
+    waiter = threading.Thread(target=lambda: woken.append(
+        arrivals.wait_for_node(5, 0, 2.0, lambda: False) and time.monotonic()))
+    waiter.start()
+    state.store_object(1, "s", "object", b"x")
+    returned = time.monotonic()
+    waiter.join()
+    assert woken and woken[0] >= returned
+
+
 def _instruction_delivered(state, servicer, node: int) -> Message:
     message = _model_message(node)
     _push_objects(state, message, *_store_message(state, message))
@@ -205,7 +245,8 @@ def test_the_serverapp_gets_a_reply_only_once_its_objects_are_in(link):
     instruction = _instruction_delivered(state, servicer, node)
     reply = _model_message(node, reply_to=instruction)
     session, missing = _store_message(state, reply)  # the SuperNode's push, objects pending
-    task = Task(task_id=TASK_ID, run_id=RUN_ID)
+    run = state.get_run_info(run_ids=[state.test_run_id])[0]
+    task = Task(task_id=run.primary_task_id, run_id=run.run_id)
     request = PullAppMessagesRequest(message_ids=[instruction.metadata.message_id])
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()

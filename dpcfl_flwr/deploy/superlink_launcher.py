@@ -121,6 +121,10 @@ def announce_complete_messages(state_class: Any, arrivals: Arrivals,
     them ends."""
     store = state_class.store_message_and_object_tree
     end_session = state_class._cleanup_push_session
+    store_object = state_class.store_object
+    # A session ends inside the store_object call that brings its last object; with SQL
+    # state that call's transaction commits only when it returns, so the news waits for it.
+    calls = threading.local()
 
     def store_message_and_object_tree(self: Any, message: Any, object_tree: Any,
                                       session_id: str) -> tuple[bool, list[str]]:
@@ -134,10 +138,27 @@ def announce_complete_messages(state_class: Any, arrivals: Arrivals,
 
     def _cleanup_push_session(self: Any, session_id: str, *, cleanup_messages: bool) -> None:
         end_session(self, session_id, cleanup_messages=cleanup_messages)
-        arrivals.session_ended(session_id)
+        ended = getattr(calls, "ended", None)
+        if ended is None:
+            arrivals.session_ended(session_id)
+        else:
+            ended.append(session_id)
+
+    def store_object_then_announce(self: Any, *args: Any, **kwargs: Any) -> bool:
+        outermost = getattr(calls, "ended", None) is None
+        if outermost:
+            calls.ended = []
+        try:
+            return bool(store_object(self, *args, **kwargs))
+        finally:
+            if outermost:
+                ended, calls.ended = calls.ended, None
+                for session_id in ended:
+                    arrivals.session_ended(session_id)
 
     state_class.store_message_and_object_tree = store_message_and_object_tree
     state_class._cleanup_push_session = _cleanup_push_session
+    state_class.store_object = store_object_then_announce
 
 
 def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> None:
