@@ -1,4 +1,4 @@
-"""``flower-superlink`` whose Fleet API holds a SuperNode's empty poll until work arrives.
+"""``flower-superlink`` that answers a poll when there is complete work for the poller.
 
 A Flower 1.39 SuperNode asks the SuperLink for work with a unary ``PullMessages`` call and,
 when there is none, sleeps and asks again. Every poll is a TLS request with a
@@ -18,8 +18,17 @@ when the push session that carries the message's missing objects is complete.
 
 The hold ends early when the call ends (the SuperNode went away, or the SuperLink is
 stopping), and then nothing is pulled: a message marked delivered to a caller that is gone
-would be lost. It patches Flower's classes only for the Flower version it was written
-against and otherwise runs the SuperLink unchanged and says so.
+would be lost.
+
+The ServerApp's side has the same race the other way round: Flower's Runtime API hands it a
+reply as soon as the reply message is stored, before the SuperNode has pushed the reply's
+objects, and Flower's ``Grid.pull_messages`` then backs off a second on the missing object
+with the poll's other replies waiting behind it. Here the ServerApp's ``pull_messages`` asks
+only for replies whose objects are all in and, when none is, waits up to 1 s for one (its
+HTTP client waits 30 s); a ServerApp that polls again at once then hears of every reply as it
+completes. Both changes patch Flower's classes only for the Flower version they were written
+against; on any other version, or with ``--pull-hold 0``, the SuperLink runs unchanged and
+says so.
 
   python -m dpcfl_flwr.deploy.superlink_launcher [--pull-hold 10] <flower-superlink arguments>
 """
