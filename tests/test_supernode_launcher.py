@@ -18,6 +18,7 @@ from dpcfl_flwr.deploy.supernode_launcher import (
     PATCHED_FLOWER,
     ShortWaits,
     shorten_waits,
+    skip_connectivity_watch,
     slow_runtime_api_tick,
     split_arguments,
 )
@@ -120,3 +121,26 @@ def test_the_runtime_api_ticks_once_a_second_and_still_serves_and_stops(monkeypa
     server.should_exit = True
     thread.join(timeout=3)
     assert not thread.is_alive()
+
+
+def test_the_channels_connectivity_watch_is_left_out_only_on_the_known_version(monkeypatch):
+    from flwr.client.grpc_rere_client import connection
+
+    flowers = connection.create_channel
+    monkeypatch.setattr(connection, "create_channel", flowers)  # restored afterwards
+    assert not skip_connectivity_watch(connection, "1.40.0")
+    assert connection.create_channel is flowers
+    # Flower's channel: a subscription starts gRPC's thread that polls the channel at 5 Hz.
+    plain = flowers(server_address="127.0.0.1:9", insecure=True)
+    before = threading.active_count()
+    plain.subscribe(lambda state: None)
+    time.sleep(0.3)
+    assert threading.active_count() == before + 1
+    plain.close()
+    assert skip_connectivity_watch(connection, PATCHED_FLOWER)
+    quiet = connection.create_channel(server_address="127.0.0.1:9", insecure=True)
+    before = threading.active_count()
+    quiet.subscribe(lambda state: None)
+    time.sleep(0.3)
+    assert threading.active_count() == before
+    quiet.close()

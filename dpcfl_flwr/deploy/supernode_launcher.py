@@ -20,8 +20,10 @@ was written against and otherwise runs the SuperNode with Flower's own waits and
 With ``--clientapp-in-process`` (what a warm silo runs, flwr 1.39.0 only) the SuperNode also
 answers its ClientApp tasks in its own process (:mod:`.direct_runtime`); its reply wait then
 ends as soon as the task is done instead of at the next check. The SuperNode's local Runtime
-API (uvicorn) ticks once a second instead of ten times: 21 idle silos' ticks were CPU that
-the training silos on the same cores did not get.
+API (uvicorn) ticks once a second instead of ten times, and its gRPC channel goes without the
+connectivity subscription Flower makes only to log changes at DEBUG (gRPC polls the channel
+five times a second for it): 21 idle silos' ticks and polls were CPU that the training silos
+on the same cores did not get.
 
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
@@ -101,6 +103,29 @@ def shorten_waits(loop: ModuleType, version: str, idle_poll: float,
     return True
 
 
+def skip_connectivity_watch(connection: ModuleType, version: str) -> bool:
+    """Leave out the SuperNode's subscription to its gRPC channel's connectivity; False
+    (nothing changed) on another Flower version. Flower subscribes only to log each change
+    at DEBUG, and gRPC serves a subscription with a thread that asks the channel for its state
+    five times a second for the channel's whole life: with polls held by the SuperLink
+    (:mod:`.superlink_launcher`), the largest part of an idle silo's CPU."""
+    create = getattr(connection, "create_channel", None)
+    if version != PATCHED_FLOWER or create is None:
+        return False
+
+    def create_channel(*args: Any, **kwargs: Any) -> Any:
+        channel = create(*args, **kwargs)
+        channel.subscribe = _no_subscription
+        return channel
+
+    connection.create_channel = create_channel  # type: ignore[attr-defined]
+    return True
+
+
+def _no_subscription(callback: Callable[..., object], try_to_connect: bool = False) -> None:
+    """A channel's ``subscribe`` that subscribes nobody (see skip_connectivity_watch)."""
+
+
 def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK) -> bool:
     """Make uvicorn's housekeeping tick (10 Hz: exit flag, Date header) of the SuperNode's
     local Runtime API run every ``seconds``; False (nothing changed) when ``server_class`` is
@@ -137,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
     slow_runtime_api_tick(uvicorn.Server)
+    skip_connectivity_watch(importlib.import_module("flwr.client.grpc_rere_client.connection"),
+                            flwr.__version__)
     idle_poll = options.idle_poll
     if options.clientapp_in_process and flwr.__version__ != PATCHED_FLOWER:
         print(f"dpcfl: --clientapp-in-process needs flwr {PATCHED_FLOWER}, not "
