@@ -178,11 +178,12 @@ def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> No
     def PullMessages(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
         node_id = request.node.node_id
         deadline = time.monotonic() + hold
-        ended = threading.Event()
+        ended, answered = threading.Event(), threading.Event()
 
-        def call_ended() -> None:
+        def call_ended() -> None:  # gRPC calls it when the call ends, answered or not
             ended.set()
-            arrivals.wake_all()
+            if not answered.is_set():  # only a call still waiting needs the waiters woken
+                arrivals.wake_all()
 
         context.add_callback(call_ended)
         while True:
@@ -190,9 +191,11 @@ def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> No
             response = pull(self, request, context)
             left = deadline - time.monotonic()
             if response.messages_list or left <= 0:
+                answered.set()
                 return response
             arrivals.wait_for_node(node_id, seen, left, ended.is_set)
             if ended.is_set():  # nobody to deliver to: leave the message for the next poll
+                answered.set()
                 return response
 
     servicer_class.PullMessages = PullMessages
