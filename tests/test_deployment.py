@@ -99,6 +99,7 @@ def test_a_run_over_grpc_with_tls_and_node_authentication(deployment):
     server_log = deployment.log("server")
     assert "--enable-supernode-auth" in server_log and "--ssl-certfile" in server_log
     assert "holds an empty SuperNode poll up to 10 s until work arrives" in server_log
+    assert "Runtime API requests skip the Control API's middleware" in server_log
     for i in range(SILOS):  # one fresh ClientApp process for the FAB, then the SuperNode's own
         log = deployment.log(f"silo-{i:02d}")
         received = log.count("Receiving: ")

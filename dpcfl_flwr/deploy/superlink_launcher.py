@@ -27,8 +27,9 @@ with the poll's other replies waiting behind it. Here the ServerApp's ``pull_mes
 only for replies whose objects are all in and, when none is, waits up to 1 s for one (its
 HTTP client waits 30 s); a ServerApp that polls again at once then hears of every reply as it
 completes. Both changes patch Flower's classes only for the Flower version they were written
-against; on any other version, or with ``--pull-hold 0``, the SuperLink runs unchanged and
-says so.
+against; on any other version, or with ``--pull-hold 0``, Flower's polling runs unchanged and
+the launcher says so. On that version the ServerApp's requests also skip the Control API's
+middleware (:mod:`.control_middleware`).
 
   python -m dpcfl_flwr.deploy.superlink_launcher [--pull-hold 10] <flower-superlink arguments>
 """
@@ -43,6 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import control_middleware
 from .supernode_launcher import PATCHED_FLOWER, exit_code_of
 
 DEFAULT_PULL_HOLD = 10.0  # seconds; an idle SuperNode then polls ~6x a minute
@@ -261,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         print(f"dpcfl: SuperNode polls are answered at once (flwr {flwr.__version__}, "
               f"--pull-hold {options.pull_hold:g})", file=sys.stderr, flush=True)
+    if control_middleware.install():
+        print("dpcfl: Runtime API requests skip the Control API's middleware",
+              file=sys.stderr, flush=True)
     sys.argv = ["flower-superlink", *rest]
     sys.exit(exit_code_of(flower_superlink))
 
