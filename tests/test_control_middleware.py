@@ -60,7 +60,7 @@ def test_runtime_requests_skip_the_control_middlewares_and_get_the_same_answers(
     ours = answers(superlink_main.create_app(), entered)
     every = sorted(cls.__name__ for cls in CONTROL_ONLY)
     for (path, *flower_answer, flower_entered), (_, *our_answer, our_entered) in zip(
-            flowers, ours):
+            flowers, ours, strict=True):
         assert our_answer == flower_answer, path
         assert flower_entered == every  # Flower runs all four on every request
         assert our_entered == (every if path.startswith("/v1/control/") else []), path
