@@ -165,13 +165,16 @@ def test_an_idle_pull_waits_until_its_instruction_is_stored_with_all_its_objects
     assert _all_objects_available(state, message.metadata.message_id)
 
 
-def test_an_idle_pull_answers_nothing_when_the_hold_runs_out(link, monkeypatch):
+def test_an_idle_pull_answers_nothing_when_the_hold_runs_out(link):
     state, servicer, _, (node, other) = link
-    started = time.monotonic()
-    message = _model_message(other)
-    _push_objects(state, message, *_store_message(state, message))  # wakes the wait, not ours
-    response = _pull(servicer, node)
-    assert not response.messages_list
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        held: Future = pool.submit(_pull, servicer, node)
+        time.sleep(0.3)
+        message = _model_message(other)
+        _push_objects(state, message, *_store_message(state, message))  # wakes the wait
+        response = held.result(timeout=10.0)
+    assert not response.messages_list  # the other node's message did not end our hold
     assert 3.0 <= time.monotonic() - started < 3.0 + PROMPT
     assert len(_pull(servicer, other).messages_list) == 1  # still there for its node
 
