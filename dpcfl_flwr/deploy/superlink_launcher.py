@@ -28,8 +28,8 @@ only for replies whose objects are all in and, when none is, waits up to 1 s for
 HTTP client waits 30 s); a ServerApp that polls again at once then hears of every reply as it
 completes. Both changes patch Flower's classes only for the Flower version they were written
 against; on any other version, or with ``--pull-hold 0``, Flower's polling runs unchanged and
-the launcher says so. On that version the ServerApp's requests also skip the Control API's
-middleware (:mod:`.control_middleware`).
+the launcher says so. On flwr 1.39.0, whatever the hold, the ServerApp's requests also skip
+the Control API's middleware (:mod:`.control_middleware`).
 
   python -m dpcfl_flwr.deploy.superlink_launcher [--pull-hold 10] <flower-superlink arguments>
 """
