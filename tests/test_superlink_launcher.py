@@ -165,6 +165,27 @@ def test_an_idle_pull_waits_until_its_instruction_is_stored_with_all_its_objects
     assert _all_objects_available(state, message.metadata.message_id)
 
 
+def test_a_pull_arriving_while_its_instruction_is_half_pushed_waits_for_the_objects(link):
+    # Flower's pull would hand the message over at once, and the SuperNode would back off a
+    # second on the first missing object.
+    state, servicer, _, (node, _) = link
+    message = _model_message(node)
+    session, missing = _store_message(state, message)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        held: Future = pool.submit(_pull, servicer, node)
+        time.sleep(0.3)
+        assert not held.done()  # stored, but its objects are not in yet
+        _push_objects(state, message, session, missing)
+        pushed = time.monotonic()
+        response = held.result(timeout=2.0)
+        answered = time.monotonic()
+    assert [m.metadata.message_id for m in response.messages_list] == [
+        message.metadata.message_id]
+    assert answered - pushed < PROMPT and answered - started < 3.0
+    assert _all_objects_available(state, message.metadata.message_id)
+
+
 def test_an_idle_pull_answers_nothing_when_the_hold_runs_out(link):
     state, servicer, _, (node, other) = link
     with ThreadPoolExecutor(1) as pool:

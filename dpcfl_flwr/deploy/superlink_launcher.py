@@ -14,7 +14,8 @@ with :mod:`.supernode_launcher` it polls again at once.
 "All its objects": the ServerApp pushes a message (which stores it and opens an object push
 session) and then the message's objects. A SuperNode that pulled the message before the
 objects were in would get "object unavailable" and back off for a second, so the wait ends
-when the push session that carries the message's missing objects is complete.
+when the push session that carries the message's missing objects is complete, and a poll that
+arrives while its instruction is stored but still missing objects waits for them as well.
 
 The hold ends early when the call ends (the SuperNode went away, or the SuperLink is
 stopping), and then nothing is pulled: a message marked delivered to a caller that is gone
@@ -61,6 +62,7 @@ class Arrivals:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._count: dict[int, int] = defaultdict(int)  # per SuperNode
+        self._half_pushed: dict[int, int] = defaultdict(int)  # per SuperNode: objects to come
         self._replies = 0
         self._incomplete_replies: set[str] = set()  # instruction ids
         self._on_session_end: dict[str, list[Callable[[], None]]] = defaultdict(list)
@@ -78,10 +80,19 @@ class Arrivals:
         with self._changed:
             return [i for i in instruction_ids if i not in self._incomplete_replies]
 
+    def half_pushed(self, node_id: int) -> bool:
+        """Whether an instruction for ``node_id`` is stored while its objects are coming."""
+        with self._changed:
+            return self._half_pushed[node_id] > 0
+
     def instruction_stored(self, node_id: int, session_id: str, missing: bool) -> None:
         with self._changed:
             def done() -> None:
+                if missing:
+                    self._half_pushed[node_id] -= 1
                 self._count[node_id] += 1
+            if missing:
+                self._half_pushed[node_id] += 1
             self._settle(done, session_id if missing else None)
 
     def reply_stored(self, instruction_id: str, session_id: str, missing: bool) -> None:
@@ -174,7 +185,9 @@ def announce_complete_messages(state_class: Any, arrivals: Arrivals,
 
 def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> None:
     """Make ``servicer_class.PullMessages`` (the SuperNodes' Fleet API) wait up to ``hold`` s
-    for work instead of answering "nothing" at once."""
+    for complete work instead of answering "nothing", or a half-pushed instruction, at once."""
+    from flwr.proto.fleet_pb2 import PullMessagesResponse  # pylint: disable=E0611
+
     pull = servicer_class.PullMessages
 
     def PullMessages(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
@@ -188,17 +201,21 @@ def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> No
                 arrivals.wake_all()
 
         context.add_callback(call_ended)
-        while True:
-            seen = arrivals.seen(node_id)
-            response = pull(self, request, context)
-            left = deadline - time.monotonic()
-            if response.messages_list or left <= 0:
-                answered.set()
-                return response
-            arrivals.wait_for_node(node_id, seen, left, ended.is_set)
-            if ended.is_set():  # nobody to deliver to: leave the message for the next poll
-                answered.set()
-                return response
+        try:
+            while True:
+                seen = arrivals.seen(node_id)
+                left = deadline - time.monotonic()
+                # A half-pushed instruction pulled now would make the SuperNode back off a
+                # second on its first missing object: wait for the rest (at most the hold).
+                if left <= 0 or not arrivals.half_pushed(node_id):
+                    response = pull(self, request, context)
+                    if response.messages_list or left <= 0:
+                        return response
+                arrivals.wait_for_node(node_id, seen, left, ended.is_set)
+                if ended.is_set():  # nobody to deliver to: leave the message for the next poll
+                    return PullMessagesResponse()
+        finally:
+            answered.set()
 
     servicer_class.PullMessages = PullMessages
 
