@@ -3,13 +3,18 @@ process runs, and a warm silo answers in its SuperNode (the deployment tests run
 
 from __future__ import annotations
 
+import io
 import shutil
+import zipfile
 from pathlib import Path
+
+import pytest
+from flwr.cli.build import build_fab_from_disk
 
 import dpcfl_flwr
 from dpcfl_flwr.config import parse_node_config
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
-from dpcfl_flwr.deploy.warm_runtime import fab_matches_this_process
+from dpcfl_flwr.deploy.warm_runtime import fab_matches_this_process, fab_ships_this_process
 
 HASH = "a06c43f2" + "0" * 56
 PACKAGE = Path(dpcfl_flwr.__file__).parent
@@ -38,6 +43,36 @@ def test_a_fab_with_an_extra_module_or_none_installed_is_not_served_warm(tmp_pat
     shipped = _install_fab(tmp_path)
     (shipped / "extra.py").write_text("x = 1\n")
     assert not fab_matches_this_process(HASH, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def fab() -> bytes:
+    """The FAB ``flwr run .`` sends, built by Flower from this checkout."""
+    return build_fab_from_disk(PACKAGE.parent)
+
+
+def _rewritten(fab: bytes, change) -> bytes:
+    """``fab`` with ``change(name, data)`` -> data (None drops the file) applied to each file."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(fab)) as source, zipfile.ZipFile(out, "w") as target:
+        for name in source.namelist():
+            data = change(name, source.read(name))
+            if data is not None:
+                target.writestr(name, data)
+    return out.getvalue()
+
+
+def test_a_fab_read_in_memory_is_served_warm_only_with_this_process_code(fab):
+    assert fab_ships_this_process(fab)
+    edited = _rewritten(fab, lambda name, data: data + b"\n# changed\n"
+                        if name == "dpcfl_flwr/silo.py" else data)
+    assert not fab_ships_this_process(edited)
+    missing = _rewritten(fab, lambda name, data: None if name.endswith("ledger.py") else data)
+    assert not fab_ships_this_process(missing)
+    out = io.BytesIO(fab)
+    with zipfile.ZipFile(out, "a") as archive:
+        archive.writestr("dpcfl_flwr/extra.py", "x = 1\n")
+    assert not fab_ships_this_process(out.getvalue())
 
 
 def test_warm_silos_answer_in_the_supernode_without_its_own_superexec():

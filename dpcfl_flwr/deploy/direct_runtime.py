@@ -52,7 +52,7 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.nodestate import NodeState, NodeStateFactory
 from flwr.supernode.servicer.runtime import runtime_handlers as handlers
 
-from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime
+from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime, fab_ships_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,17 @@ def direct_link(state_factory: NodeStateFactory) -> Callable[[str | None], Runti
     return lambda token: cast(RuntimeHttpClient, DirectRuntimeClient(state_factory, token))
 
 
+def fab_check(state_factory: NodeStateFactory) -> Callable[[Task], bool | None]:
+    """For :class:`~.warm_runtime.WarmRuntime`: whether a task's FAB, read from the SuperNode's
+    state without taking the task, ships this process's code (None: not in the state)."""
+    def check(task: Task) -> bool | None:
+        state = state_factory.state()
+        run = state.get_run(task.run_id)
+        fab = state.get_fab(run.fab_hash) if run is not None else None
+        return None if fab is None else fab_ships_this_process(fab.content)
+    return check
+
+
 def runtime_api_address(host: str, port: int) -> str:
     """Where a local process reaches the SuperNode's Runtime API bound to ``host``."""
     if host in ("", "0.0.0.0"):
@@ -159,11 +170,12 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
     """Make Flower's ``flower-supernode`` (modules ``cli`` and ``loop``) answer its ClientApp
     tasks in its own process.
 
-    Once the SuperNode has its state and Runtime API (which stays up: the first message of a
-    FAB goes through Flower's fresh-process path, see :mod:`.warm_runtime`), a daemon thread
-    runs :class:`~.warm_runtime.WarmRuntime` on a :class:`DirectRuntimeClient`. It is woken as
-    soon as the loop has stored a message, and sets ``reply_stored`` when a task is done, for
-    the loop's reply wait (see :mod:`.supernode_launcher`).
+    Once the SuperNode has its state and Runtime API (which stays up for Flower's fresh-process
+    path, taken by a FAB whose code is not this process's, see :mod:`.warm_runtime`), a daemon
+    thread runs :class:`~.warm_runtime.WarmRuntime` on a :class:`DirectRuntimeClient`, with the
+    FABs read from the SuperNode's state. It is woken as soon as the loop has stored a message,
+    and sets ``reply_stored`` when a task is done, for the loop's reply wait (see
+    :mod:`.supernode_launcher`).
     """
     start_api = getattr(cli, "_start_supernode_http_api")  # noqa: B009 - Flower 1.39's
     pull_and_store = getattr(loop, "_pull_and_store_message")  # noqa: B009
@@ -172,7 +184,8 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
         started = start_api(config, state_factory)
         runtime = WarmRuntime(runtime_api_address(config.host, config.port), load_app(),
                               WOKEN_POLL_SECONDS, connect=direct_link(state_factory),
-                              on_task_done=reply_stored.set)
+                              on_task_done=reply_stored.set,
+                              check_fab=fab_check(state_factory))
 
         def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
             run_id = pull_and_store(*args, **kwargs)

@@ -13,19 +13,24 @@ runs it inside its SuperNode's process (:mod:`.direct_runtime`, what ``dpcfl cli
 SuperNode's local HTTP API.
 
 Serving a FAB's messages with modules imported here is only right when they are the FAB's own
-code. So the first task of every FAB goes through Flower's cold path (which installs the FAB);
-the FAB is served warm afterwards only if its ``dpcfl_flwr`` sources are byte-identical to the
-ones this process runs, and stays on the cold path otherwise.
+code: a FAB is served warm only if its ``dpcfl_flwr`` sources are byte-identical to the ones
+this process runs, and goes through Flower's cold path otherwise. Where the runtime can read
+the FAB before taking the task (in the SuperNode's process, from its state: ``check_fab``), it
+compares the FAB's files in memory, so a matching FAB is served warm from its first message;
+otherwise the first task of every FAB takes the cold path (which installs the FAB) and the
+installed files are compared after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import logging
 import subprocess
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,7 +76,18 @@ def _sources(package: Path) -> dict[str, bytes]:
 
 
 # Read when this process starts, before the ClientApp's modules are imported: what it runs.
-_RUNNING_SOURCES = _sources(Path(dpcfl_flwr.__file__).parent)
+_PACKAGE = Path(dpcfl_flwr.__file__).parent
+PACKAGE_NAME = _PACKAGE.name
+_RUNNING_SOURCES = _sources(_PACKAGE)
+
+
+def fab_ships_this_process(fab: bytes) -> bool:
+    """Whether the FAB archive ``fab`` ships exactly the ClientApp code running here."""
+    prefix = f"{PACKAGE_NAME}/"
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        shipped = {name[len(prefix):]: archive.read(name) for name in archive.namelist()
+                   if name.startswith(prefix) and name.endswith(".py")}
+    return shipped == _RUNNING_SOURCES
 
 
 def fab_matches_this_process(fab_hash: str, flwr_home: Path | None = None) -> bool:
@@ -80,13 +96,15 @@ def fab_matches_this_process(fab_hash: str, flwr_home: Path | None = None) -> bo
     installed = sorted((home / "apps").glob(f"*.{fab_hash[:FAB_HASH_TRUNCATION]}"))
     if len(installed) != 1:
         return False
-    shipped = installed[0] / "dpcfl_flwr"
+    shipped = installed[0] / PACKAGE_NAME
     return shipped.is_dir() and _sources(shipped) == _RUNNING_SOURCES
 
 
 # token (None: the SuperExec's own, task-less calls) -> a Runtime API client for it (Flower's
 # HTTP client, or one with its methods: direct_runtime.DirectRuntimeClient)
 Connect = Callable[[str | None], RuntimeHttpClient]
+# a task -> whether its FAB ships this process's code (None: cannot tell before taking it)
+FabCheck = Callable[[Task], bool | None]
 
 
 def http_link(address: str) -> Connect:
@@ -108,12 +126,14 @@ class WarmRuntime:
     def __init__(self, runtime_api_address: str, app: ClientApp,
                  poll_seconds: float = DEFAULT_POLL_SECONDS,
                  connect: Connect | None = None,
-                 on_task_done: Callable[[], None] | None = None) -> None:
+                 on_task_done: Callable[[], None] | None = None,
+                 check_fab: FabCheck | None = None) -> None:
         self.address = runtime_api_address
         self.app = app
         self.poll_seconds = poll_seconds
         self.connect: Connect = connect or http_link(runtime_api_address)
         self.on_task_done = on_task_done  # e.g. wake the SuperNode to send the reply
+        self.check_fab = check_fab
         self.warm_fabs: dict[str, bool] = {}  # fab hash -> served warm
         self.wake = threading.Event()  # set when the SuperNode has a message for this silo
 
@@ -139,16 +159,32 @@ class WarmRuntime:
                 self.on_task_done()
 
     def _run(self, task: Task, token: str) -> None:
+        if task.fab_hash not in self.warm_fabs:
+            verdict = self._check_ahead(task)
+            if verdict is not None:
+                self._judged(task.fab_hash, verdict)
         if self.warm_fabs.get(task.fab_hash):
             self._run_here(token)
             return
         self._run_cold(token)
         if task.fab_hash not in self.warm_fabs:
-            warm = fab_matches_this_process(task.fab_hash)
-            self.warm_fabs[task.fab_hash] = warm
-            logger.info("FAB %s: %s", task.fab_hash[:FAB_HASH_TRUNCATION],
-                        "served warm from now on" if warm else
-                        "its code differs from this process's; one process per message")
+            self._judged(task.fab_hash, fab_matches_this_process(task.fab_hash))
+
+    def _check_ahead(self, task: Task) -> bool | None:
+        if self.check_fab is None:
+            return None
+        try:
+            return self.check_fab(task)
+        except Exception:  # noqa: BLE001 - Flower's cold path reports a bad FAB properly
+            logger.exception("could not read FAB %s ahead of its task",
+                             task.fab_hash[:FAB_HASH_TRUNCATION])
+            return None
+
+    def _judged(self, fab_hash: str, warm: bool) -> None:
+        self.warm_fabs[fab_hash] = warm
+        logger.info("FAB %s: %s", fab_hash[:FAB_HASH_TRUNCATION],
+                    "served warm from now on" if warm else
+                    "its code differs from this process's; one process per message")
 
     def _run_cold(self, token: str) -> None:
         """Flower's own path: a fresh ``flwr-clientapp`` for this one task."""
