@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 
 import dpcfl_flwr
 from dpcfl_flwr.config import parse_node_config
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
-from dpcfl_flwr.deploy.warm_runtime import fab_matches_this_process, fab_ships_this_process
+from dpcfl_flwr.deploy.warm_runtime import (
+    WarmRuntime,
+    fab_matches_this_process,
+    fab_ships_this_process,
+)
 
 HASH = "a06c43f2" + "0" * 56
 PACKAGE = Path(dpcfl_flwr.__file__).parent
@@ -83,3 +88,51 @@ def test_warm_silos_answer_in_the_supernode_without_its_own_superexec():
     assert cold[cold.index("--isolation") + 1] == "subprocess"
     assert "--clientapp-in-process" not in cold
     assert warm[warm.index("--port") + 1] == "9123"  # the fresh-process path for a new FAB
+
+
+class Recorded(WarmRuntime):
+    """The runtime's choice of path per task; the paths themselves are the deployment tests'."""
+
+    def __init__(self, check_fab) -> None:
+        super().__init__("127.0.0.1:1", app=None, check_fab=check_fab)  # type: ignore[arg-type]
+        self.paths: list[str] = []
+
+    def _run_here(self, token: str) -> None:
+        self.paths.append("warm")
+
+    def _run_cold(self, token: str) -> None:
+        self.paths.append("cold")
+
+
+@pytest.mark.parametrize("verdict, paths", [
+    (True, ["warm", "warm"]),  # this process's code: warm from the first message
+    (False, ["cold", "cold"]),  # other code: a fresh process per message
+    (None, ["cold", "cold"]),  # not readable ahead: cold, then the installed FAB decides
+])
+def test_a_fab_read_ahead_decides_the_path_from_its_first_task(verdict, paths, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))  # nothing installed: cold stays cold
+    checked: list[str] = []
+
+    def check(task: Task):
+        checked.append(task.fab_hash)
+        return verdict
+
+    runtime = Recorded(check)
+    for _ in range(2):
+        runtime.run(Task(fab_hash=HASH), token="t")
+    assert runtime.paths == paths
+    assert checked == [HASH]  # read once per FAB
+
+
+def test_a_fab_that_cannot_be_read_ahead_falls_back_to_flowers_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    _install_fab(tmp_path)  # what the cold path installs: this process's code
+
+    def unreadable(task: Task):
+        raise zipfile.BadZipFile("not a zip")
+
+    runtime = Recorded(unreadable)
+    for _ in range(2):
+        runtime.run(Task(fab_hash=HASH), token="t")
+    assert runtime.paths == ["cold", "warm"]
