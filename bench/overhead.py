@@ -99,6 +99,13 @@ def packing_bound(times: list[float], workers: int) -> float:
     return bound
 
 
+def whole(results: dict) -> float:
+    """The overhead of all rounds together (round 1 included), weighted by their walls."""
+    rounds = results["rounds"]
+    return 1 - (sum(r["client_cpu_seconds"] for r in rounds)
+                / (WORKERS * sum(r["seconds"] for r in rounds)))
+
+
 def rows(name: str, results: dict, sequential_workers: bool) -> tuple[list[str], float, float]:
     """Table rows, the mean overhead of rounds 2..R, and its mean beyond the packing floor
     (equal to the overhead when silos time-share the cores, as over gRPC)."""
@@ -185,6 +192,7 @@ def main() -> None:
             table += lines
             summary.append(f"{name}: mean overhead of rounds 2..{args.rounds} = "
                            f"{100 * mean:.0f}% ({100 * beyond:.0f}% beyond packing); "
+                           f"rounds 1..{args.rounds} together {100 * whole(results):.0f}%; "
                            f"whole run {wall:.0f} s wall")
             if args.by_process:
                 splits.append(split_by_process(name, results, sampler))
