@@ -145,6 +145,22 @@ def _all_objects_available(state, message_id: str) -> bool:
     return all(state.object_store.get(t.object_id) for t in iterate_object_tree(tree))
 
 
+def _answered_once_its_objects_are_in(state, held: Future, started: float, message: Message,
+                                      session: str, missing: list[str]) -> None:
+    """``held`` (a pull for ``message``'s node, started at ``started``) waits while the stored
+    message's objects are missing and answers with it promptly once they are all in."""
+    assert not held.done()  # stored, but its objects are not in yet
+    _push_objects(state, message, session, missing)
+    pushed = time.monotonic()
+    response = held.result(timeout=2.0)
+    answered = time.monotonic()
+    assert [m.metadata.message_id for m in response.messages_list] == [
+        message.metadata.message_id]
+    assert answered - pushed < PROMPT
+    assert answered - started < 3.0  # not the end of the hold
+    assert _all_objects_available(state, message.metadata.message_id)
+
+
 def test_an_idle_pull_waits_until_its_instruction_is_stored_with_all_its_objects(link):
     state, servicer, _, (node, _) = link
     with ThreadPoolExecutor(2) as pool:
@@ -155,16 +171,7 @@ def test_an_idle_pull_waits_until_its_instruction_is_stored_with_all_its_objects
         message = _model_message(node)
         session, missing = _store_message(state, message)
         time.sleep(0.3)
-        assert not held.done()  # stored, but its objects are not in yet
-        _push_objects(state, message, session, missing)
-        pushed = time.monotonic()
-        response = held.result(timeout=2.0)
-        answered = time.monotonic()
-    assert [m.metadata.message_id for m in response.messages_list] == [
-        message.metadata.message_id]
-    assert answered - pushed < PROMPT
-    assert answered - started < 3.0  # not the end of the hold
-    assert _all_objects_available(state, message.metadata.message_id)
+        _answered_once_its_objects_are_in(state, held, started, message, session, missing)
 
 
 def test_a_pull_arriving_while_its_instruction_is_half_pushed_waits_for_the_objects(link):
@@ -177,15 +184,7 @@ def test_a_pull_arriving_while_its_instruction_is_half_pushed_waits_for_the_obje
         started = time.monotonic()
         held: Future = pool.submit(_pull, servicer, node)
         time.sleep(0.3)
-        assert not held.done()  # stored, but its objects are not in yet
-        _push_objects(state, message, session, missing)
-        pushed = time.monotonic()
-        response = held.result(timeout=2.0)
-        answered = time.monotonic()
-    assert [m.metadata.message_id for m in response.messages_list] == [
-        message.metadata.message_id]
-    assert answered - pushed < PROMPT and answered - started < 3.0
-    assert _all_objects_available(state, message.metadata.message_id)
+        _answered_once_its_objects_are_in(state, held, started, message, session, missing)
 
 
 def test_an_idle_pull_answers_nothing_when_the_hold_runs_out(link):
