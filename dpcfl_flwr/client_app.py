@@ -28,11 +28,13 @@ from .protocol import (
     SILO,
     SILO_FAILED,
     UPDATE,
+    WireModel,
     batch_of,
     cluster_key,
     config_of,
     integer,
     metric_record,
+    model_records,
     number,
     pack_state,
     reply,
@@ -78,7 +80,7 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     return wrapped
 
 
-def _state(record: ArrayRecord, silo: Silo) -> dict[str, torch.Tensor]:
+def _state(record: WireModel, silo: Silo) -> dict[str, torch.Tensor]:
     return unpack_state(record, silo.template())
 
 
@@ -118,7 +120,7 @@ def train(message: Message, context: Context) -> Message:
         silo.check(planned, server_round)
     finally:
         _close_silo(context, silo)  # keep the plan even when refusing
-    records = message.content.array_records
+    records = model_records(message.content)
     if selecting:
         n_clusters = sum(1 for key in records if key.startswith("cluster-"))
         candidates = [_state(records[cluster_key(m)], silo) for m in range(n_clusters)]
@@ -150,7 +152,7 @@ def train(message: Message, context: Context) -> Message:
 def _received_or_own(message: Message, context: Context,
                      silo: Silo) -> dict[str, torch.Tensor]:
     """The weights the server sent, or the silo's own model when it sent none (Local)."""
-    records = message.content.array_records
+    records = model_records(message.content)
     if ARRAYS in records:
         return _state(records[ARRAYS], silo)
     if OWN_MODEL in context.state.array_records:

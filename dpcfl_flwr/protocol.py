@@ -25,12 +25,16 @@ One record layout per message kind (Flower records only, no loose dicts):
     wall time would count the waits of silos sharing cores);
   or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
 
-Every model (``arrays``, ``cluster-m``, ``anchor``, ``update``) travels packed: one float32
-Array ``packed`` holding the tensors in state-dict order (:func:`pack`); both ends know the
-model, so names and shapes need not travel. Flower moves each Array and each of its chunks as
-a separate object, one request each (signed and verified under node authentication): the
-CNN's six tensors made a one-model message 15 objects and a four-candidate one 54; packed
-they are 5 and 14. Named records are still read.
+Every model (``arrays``, ``cluster-m``, ``anchor``, ``update``) travels packed (:func:`pack`):
+its tensors in state-dict order as one little-endian float32 vector; both ends know the model,
+so names and shapes need not travel. Flower moves every record, Array and chunk of a message as
+a separate object, one request each way (signed and verified under node authentication), and a
+request costs the SuperNode and the SuperLink far more than the bytes it carries at these
+sizes. A model that fits in one of Flower's array chunks (5 MiB: the CNN, not ResNet-18) is
+therefore the ``bytes`` value ``packed`` of a ConfigRecord (one object); a larger one is an
+ArrayRecord with one Array ``packed`` (Flower's own chunking, 3 objects and up). The CNN's six
+named tensors made a one-model message 15 objects and a four-candidate one 54; packed they are
+4 and 7. Named ArrayRecords are still read.
 
 ``evaluate`` (server -> silo)
     ``arrays``: the model the silo would use; ``config``: ``server-round``, ``cluster``
@@ -46,6 +50,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -75,37 +80,70 @@ def arrays_from_vector(vector: np.ndarray, layout: ModelLayout) -> ArrayRecord:
     return ArrayRecord({k: Array(v) for k, v in layout.unflatten(vector).items()})
 
 
-def pack(vector: np.ndarray) -> ArrayRecord:
-    """A model's flat float32 vector as the one-Array record messages carry."""
-    return ArrayRecord({PACKED: Array(np.ascontiguousarray(vector, dtype=np.float32))})
+#: A model on the wire: a ConfigRecord holding its packed bytes, or (above one chunk, and
+#: from named senders) an ArrayRecord.
+WireModel = ArrayRecord | ConfigRecord
+
+#: Byte order and type of a packed model, fixed by the protocol (bytes carry no dtype).
+WIRE_DTYPE = np.dtype("<f4")
 
 
-def pack_state(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
+def pack(vector: np.ndarray) -> WireModel:
+    """A model's flat vector as the record messages carry: one object while it fits in one of
+    Flower's array chunks, Flower's chunked Array above that."""
+    data = np.ascontiguousarray(vector, dtype=WIRE_DTYPE)
+    if data.nbytes <= FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE:
+        return ConfigRecord({PACKED: data.tobytes()})
+    return ArrayRecord({PACKED: Array(data)})
+
+
+def pack_state(state: Mapping[str, torch.Tensor]) -> WireModel:
     return pack(torch.cat([t.detach().reshape(-1).float() for t in state.values()]).numpy())
 
 
-def _packed_vector(record: ArrayRecord, size: int) -> np.ndarray | None:
+def model_records(content: RecordDict) -> dict[str, WireModel]:
+    """The models a message carries, by key: every ArrayRecord and every packed ConfigRecord
+    (the ``config`` record and other settings are not models)."""
+    return {key: record for key, record in content.items()
+            if isinstance(record, ArrayRecord)
+            or (isinstance(record, ConfigRecord) and list(record.keys()) == [PACKED])}
+
+
+def _packed_vector(record: WireModel, size: int) -> np.ndarray | None:
     """The vector of a packed record (checked against the model's size), None if named."""
     if list(record.keys()) != [PACKED]:
         return None
-    vector = record[PACKED].numpy().reshape(-1)
+    value = record[PACKED]
+    if isinstance(value, Array):
+        vector = value.numpy().reshape(-1)
+    elif isinstance(value, bytes) and len(value) % WIRE_DTYPE.itemsize == 0:
+        vector = np.frombuffer(value, dtype=WIRE_DTYPE).astype(np.float32)  # writable, native
+    else:
+        raise ValueError("packed model must be float32 bytes or an Array, got "
+                         f"{type(value).__name__} {str(value)[:40]}")
     if vector.shape[0] != size:
         raise ValueError(f"packed model has {vector.shape[0]} values, the model {size}")
     return vector
 
 
-def unpack_state(record: ArrayRecord, template: Mapping[str, torch.Tensor]
+def unpack_state(record: WireModel, template: Mapping[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
     """Tensors named and shaped as ``template`` (a state dict of the same model)."""
     size = sum(t.numel() for t in template.values())
     vector = _packed_vector(record, size)
     if vector is None:
-        return record.to_torch_state_dict()
+        return _named(record).to_torch_state_dict()
     flat, out, start = torch.from_numpy(vector.copy()), {}, 0
     for name, like in template.items():
         out[name] = flat[start:start + like.numel()].reshape(like.shape).to(like.dtype)
         start += like.numel()
     return out
+
+
+def _named(record: WireModel) -> ArrayRecord:
+    if not isinstance(record, ArrayRecord):
+        raise ValueError(f"a model record holds {sorted(record.keys())}, not a packed model")
+    return record
 
 
 class ModelLayout:
@@ -123,10 +161,11 @@ class ModelLayout:
         arrays = record.to_numpy_ndarrays()
         return cls(list(record.keys()), [a.shape for a in arrays])
 
-    def flatten(self, record: ArrayRecord) -> np.ndarray:
+    def flatten(self, record: WireModel) -> np.ndarray:
         packed = _packed_vector(record, self.size)
         if packed is not None:
             return packed.astype(np.float32, copy=False)
+        record = _named(record)
         if list(record.keys()) != self.names:
             raise ValueError("array record does not have the model's tensors")
         return np.concatenate(

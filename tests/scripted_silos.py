@@ -14,6 +14,7 @@ from dpcfl_flwr.protocol import (
     UPDATE,
     ModelLayout,
     cluster_key,
+    model_records,
 )
 from dpcfl_flwr.strategies.base import INITIAL
 
@@ -39,7 +40,7 @@ class ScriptedSilo:
                 "epsilon-spent": 0.0})})
         config = message.content.config_records["config"]
         if kind == "evaluate":
-            own = self._score(message.content.array_records.get(ARRAYS))
+            own = self._score(model_records(message.content).get(ARRAYS))
             return self._reply(message, {METRICS: MetricRecord({
                 "test-accuracy": float(own), "test-loss": 1.0, "num-examples": 10,
                 "epsilon-spent": 1.0, "cluster": int(config["cluster"])})})
@@ -52,7 +53,7 @@ class ScriptedSilo:
         return int(np.argmax(vector[:3]) == TRUTH[self.partition])
 
     def _train(self, message: Message, cluster: int) -> Message:
-        records = message.content.array_records
+        records = model_records(message.content)
         selected = cluster == SELECT
         if selected:
             scores = [self.layout.flatten(records[cluster_key(m)])[TRUTH[self.partition]]

@@ -1,15 +1,17 @@
-"""Models travel as one packed Array: fewer Flower objects per message, same weights."""
+"""Models travel packed (one record, one object while they fit in a chunk): fewer Flower
+objects per message, same weights."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.protocol import ModelLayout, pack, pack_state, unpack_state
+from dpcfl_flwr.protocol import PACKED, ModelLayout, model_records, pack, pack_state, unpack_state
 
 
 def cnn_state() -> dict[str, torch.Tensor]:
@@ -49,9 +51,9 @@ def test_named_records_still_unpack() -> None:
 
 
 def test_packing_cuts_the_objects_flower_moves_per_message() -> None:
-    # Flower pushes and pulls every Array and every ArrayChunk as its own object (one request
-    # each, signed and verified with node authentication): 4 candidate CNNs as named tensors
-    # are 54 objects, packed 14.
+    # Flower pushes and pulls every record, Array and ArrayChunk as its own object (one
+    # request each, signed and verified with node authentication): 4 candidate CNNs as named
+    # tensors are 54 objects with the message, packed 6.
     state = cnn_state()
     named = RecordDict({f"cluster-{m}": ArrayRecord({k: Array(v.numpy() + m)
                                                      for k, v in state.items()})
@@ -59,4 +61,34 @@ def test_packing_cuts_the_objects_flower_moves_per_message() -> None:
     packed = RecordDict({f"cluster-{m}": pack_state({k: v + m for k, v in state.items()})
                          for m in range(4)})
     assert len(get_all_nested_objects(named)) == 53
-    assert len(get_all_nested_objects(packed)) == 13
+    assert len(get_all_nested_objects(packed)) == 5
+    assert sorted(model_records(packed)) == [f"cluster-{m}" for m in range(4)]
+
+
+def test_a_model_larger_than_one_chunk_travels_as_flowers_chunked_array() -> None:
+    big = np.arange(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE // 4 + 1, dtype=np.float32)
+    record = pack(big)
+    assert isinstance(record, ArrayRecord)
+    assert len(record[PACKED].children or {}) == 2  # Flower cut it into two chunks
+    np.testing.assert_array_equal(ModelLayout(["w"], [big.shape]).flatten(record), big)
+    small = pack(big[:FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE // 4])
+    assert isinstance(small, ConfigRecord) and not small.children
+
+
+def test_packed_bytes_are_little_endian_float32_whatever_the_sender_held() -> None:
+    vector = np.linspace(-1, 1, 28938)
+    record = pack(vector.astype(">f8"))  # big-endian doubles in
+    assert record[PACKED] == vector.astype("<f4").tobytes()
+    layout = ModelLayout.of(ArrayRecord({k: Array(v.numpy()) for k, v in cnn_state().items()}))
+    out = layout.flatten(record)
+    np.testing.assert_array_equal(out, vector.astype(np.float32))
+    out += 1  # the server aggregates in place: a writable copy, not a view of the message
+    assert layout.flatten(record)[0] == np.float32(-1)
+
+
+def test_bytes_that_are_not_a_float32_vector_are_refused() -> None:
+    state = cnn_state()
+    with pytest.raises(ValueError, match="float32 bytes"):
+        unpack_state(ConfigRecord({PACKED: b"\x00" * 7}), state)
+    with pytest.raises(ValueError, match="not a packed model"):
+        unpack_state(ConfigRecord({"weights": b"\x00" * 8}), state)

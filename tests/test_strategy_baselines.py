@@ -8,7 +8,15 @@ import torch
 
 from dpcfl_flwr.config import parse_run_config
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.protocol import ANCHOR, ARRAYS, OWN, SELECT, ModelLayout, cluster_key
+from dpcfl_flwr.protocol import (
+    ANCHOR,
+    ARRAYS,
+    OWN,
+    SELECT,
+    ModelLayout,
+    cluster_key,
+    model_records,
+)
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
 from dpcfl_flwr.strategies.base import INITIAL
@@ -63,7 +71,7 @@ def test_global_sends_everyone_the_one_model(server_task_identity):
     strategy, grid, layout = _run("global")
     for server_round in range(1, ROUNDS + 1):
         messages = _messages(grid, server_round)
-        vectors = [layout.flatten(m.content.array_records[ARRAYS]) for m in messages.values()]
+        vectors = [layout.flatten(model_records(m.content)[ARRAYS]) for m in messages.values()]
         assert all(np.array_equal(v, vectors[0]) for v in vectors)
     # Every silo pushes +1 on its own true-cluster coordinate: the mean over 8 silos.
     expected = np.bincount(TRUTH, minlength=3) / len(TRUTH) * ROUNDS
@@ -84,23 +92,23 @@ def test_oracle_trains_each_true_cluster_separately(server_task_identity):
 def test_local_sends_theta_init_once_then_nothing_and_gets_no_updates(server_task_identity):
     strategy, grid, _ = _run("local")
     first = _messages(grid, 1)
-    assert all(ARRAYS in m.content.array_records for m in first.values())
+    assert all(ARRAYS in model_records(m.content) for m in first.values())
     assert all(int(m.content.config_records["config"]["cluster"]) == INITIAL
                for m in first.values())
     for server_round in range(2, ROUNDS + 1):
         for message in _messages(grid, server_round).values():
-            assert not message.content.array_records  # no weights leave the server
+            assert not model_records(message.content)  # no weights leave the server
             assert int(message.content.config_records["config"]["cluster"]) == OWN
             assert int(message.content.config_records["config"]["personal"]) == 1
     assert strategy.models == []  # the server never holds the silos' models
-    assert all(not m.content.array_records for m in grid.of_type("evaluate"))
+    assert all(not model_records(m.content) for m in grid.of_type("evaluate"))
 
 
 def test_mrmtl_sends_each_silo_its_model_and_the_mean_anchor(server_task_identity):
     strategy, grid, layout = _run("mrmtl")
     for server_round in range(1, ROUNDS + 1):
         messages = _messages(grid, server_round)
-        anchors = [layout.flatten(m.content.array_records[ANCHOR]) for m in messages.values()]
+        anchors = [layout.flatten(model_records(m.content)[ANCHOR]) for m in messages.values()]
         assert all(np.array_equal(a, anchors[0]) for a in anchors)
         for partition, message in messages.items():
             assert int(message.content.config_records["config"]["cluster"]) == partition
@@ -119,7 +127,7 @@ def test_ifca_draws_round_one_then_selects_for_t_sel_rounds_and_freezes(server_t
     assert stages == ["random"] + ["select"] * t_sel + ["frozen"] * (ROUNDS - 1 - t_sel)
     for server_round in range(2, 2 + t_sel):
         for message in _messages(grid, server_round).values():
-            assert sorted(message.content.array_records) == [cluster_key(m) for m in range(3)]
+            assert sorted(model_records(message.content)) == [cluster_key(m) for m in range(3)]
             config = message.content.config_records["config"]
             # IFCA charges T_sel selections and calibrates single-stage noise (spec §5 item 3).
             assert (config["select-rounds"], config["first-batch"]) == (t_sel, "32")

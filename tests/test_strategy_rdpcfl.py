@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Message
 
 from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.protocol import ARRAYS, SELECT, ModelLayout, cluster_key
+from dpcfl_flwr.protocol import ARRAYS, SELECT, ModelLayout, cluster_key, model_records
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import RDPCFL
 from dpcfl_flwr.strategies.base import INITIAL
@@ -46,7 +46,7 @@ def test_round_one_sends_theta_init_with_full_batch_and_clusters_exactly(run):
         config = message.content.config_records["config"]
         assert (config["stage"], config["round-batch"], config["cluster"]) == (
             "clustering", "full", INITIAL)
-        np.testing.assert_array_equal(layout.flatten(message.content.array_records[ARRAYS]),
+        np.testing.assert_array_equal(layout.flatten(model_records(message.content)[ARRAYS]),
                                       strategy.initial)
     outcome = strategy.clustering
     labels = dict(zip(outcome.partitions, outcome.labels, strict=True))
@@ -71,7 +71,7 @@ def test_soft_stage_sends_each_silo_the_model_of_its_gmm_cluster(run):
     # Round 2's models were all theta_init (reset after round 1, Alg. 1 line 13).
     for message in _train_messages(grid, 2).values():
         np.testing.assert_array_equal(
-            layout.flatten(message.content.array_records[ARRAYS]), strategy.initial)
+            layout.flatten(model_records(message.content)[ARRAYS]), strategy.initial)
 
 
 def test_select_window_sends_all_models_and_then_freezes_the_choice(run):
@@ -82,7 +82,7 @@ def test_select_window_sends_all_models_and_then_freezes_the_choice(run):
     assert select_rounds == [6, 7]  # E_c + 1 .. E_c + T_sel, T_sel = int(0.2 * 10)
     for server_round in select_rounds:
         for message in _train_messages(grid, server_round).values():
-            records = message.content.array_records
+            records = model_records(message.content)
             assert int(message.content.config_records["config"]["cluster"]) == SELECT
             assert sorted(records) == [cluster_key(m) for m in range(3)]
     for server_round in (8, 9, 10):

@@ -34,9 +34,11 @@ from ..protocol import (
     SILO,
     UPDATE,
     ModelLayout,
+    WireModel,
     arrays_from_vector,
     cluster_key,
     integer,
+    model_records,
     number,
     pack,
 )
@@ -165,7 +167,7 @@ class ClusteredStrategy(Strategy):
     def active_partitions(self) -> list[int]:
         return sorted(p for p, s in self.silos.items() if not s.exhausted)
 
-    def model_record(self, cluster: int) -> ArrayRecord | None:
+    def model_record(self, cluster: int) -> WireModel | None:
         if cluster == OWN:
             return None
         return pack(self.initial if cluster == INITIAL else self.models[cluster])
@@ -184,7 +186,7 @@ class ClusteredStrategy(Strategy):
         (and spend budget on) a round the server stopped waiting for."""
         return self.experiment.round_timeout + 5.0
 
-    def _record(self, cluster: int) -> ArrayRecord:
+    def _record(self, cluster: int) -> WireModel:
         record = self.model_record(cluster)
         if record is None:
             raise ValueError(f"cluster {cluster} has no model to send")
@@ -262,8 +264,8 @@ class ClusteredStrategy(Strategy):
                 self._log_error(server_round, silo, message, refused)
                 continue
             metrics = dict(message.content.metric_records[METRICS])
-            arrays = message.content.array_records
-            update = self.layout.flatten(arrays[UPDATE]) if UPDATE in arrays else None
+            models = model_records(message.content)
+            update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
             good[partition] = TrainReply(integer(metrics, "cluster"), update, metrics)
             silo.epsilon_spent = number(metrics, "epsilon-spent")
             silo.noise_multiplier = number(metrics, "noise-multiplier")
