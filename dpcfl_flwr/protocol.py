@@ -32,9 +32,10 @@ a separate object, one request each way (signed and verified under node authenti
 request costs the SuperNode and the SuperLink far more than the bytes it carries at these
 sizes. A model that fits in one of Flower's array chunks (5 MiB: the CNN, not ResNet-18) is
 therefore the ``bytes`` value ``packed`` of a ConfigRecord (one object); a larger one is an
-ArrayRecord with one Array ``packed`` (Flower's own chunking, 3 objects and up). The CNN's six
-named tensors made a one-model message 15 objects and a four-candidate one 54; packed they are
-4 and 7. Named ArrayRecords are still read.
+ArrayRecord with one Array ``packed`` (Flower's own chunking, 3 objects and up). Counting the
+message and its config record, the CNN's six named tensors made a one-model train message 16
+objects and a four-candidate one 55; packed they are 4 and 7. Named ArrayRecords are still
+read.
 
 ``evaluate`` (server -> silo)
     ``arrays``: the model the silo would use; ``config``: ``server-round``, ``cluster``
@@ -116,11 +117,13 @@ def _packed_vector(record: WireModel, size: int) -> np.ndarray | None:
     value = record[PACKED]
     if isinstance(value, Array):
         vector = value.numpy().reshape(-1)
-    elif isinstance(value, bytes) and len(value) % WIRE_DTYPE.itemsize == 0:
+    elif isinstance(value, bytes):
+        if len(value) % WIRE_DTYPE.itemsize:
+            raise ValueError(f"packed model must be float32 bytes, got {len(value)} bytes")
         vector = np.frombuffer(value, dtype=WIRE_DTYPE).astype(np.float32)  # writable, native
     else:
-        raise ValueError("packed model must be float32 bytes or an Array, got "
-                         f"{type(value).__name__} {str(value)[:40]}")
+        raise ValueError(f"packed model must be float32 bytes or an Array, got a "
+                         f"{type(value).__name__}")
     if vector.shape[0] != size:
         raise ValueError(f"packed model has {vector.shape[0]} values, the model {size}")
     return vector

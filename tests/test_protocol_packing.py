@@ -53,7 +53,7 @@ def test_named_records_still_unpack() -> None:
 def test_packing_cuts_the_objects_flower_moves_per_message() -> None:
     # Flower pushes and pulls every record, Array and ArrayChunk as its own object (one
     # request each, signed and verified with node authentication): 4 candidate CNNs as named
-    # tensors are 54 objects with the message, packed 6.
+    # tensors are 53 objects below the message, packed 5.
     state = cnn_state()
     named = RecordDict({f"cluster-{m}": ArrayRecord({k: Array(v.numpy() + m)
                                                      for k, v in state.items()})
@@ -90,5 +90,7 @@ def test_bytes_that_are_not_a_float32_vector_are_refused() -> None:
     state = cnn_state()
     with pytest.raises(ValueError, match="float32 bytes"):
         unpack_state(ConfigRecord({PACKED: b"\x00" * 7}), state)
+    with pytest.raises(ValueError, match="float32 bytes or an Array, got a list"):
+        unpack_state(ConfigRecord({PACKED: [0.0] * 28938}), state)
     with pytest.raises(ValueError, match="not a packed model"):
         unpack_state(ConfigRecord({"weights": b"\x00" * 8}), state)

@@ -5,17 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flwr.app import MetricRecord
 
 from dpcfl_flwr.config import parse_run_config
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
     ANCHOR,
     ARRAYS,
+    METRICS,
     OWN,
     SELECT,
+    UPDATE,
     ModelLayout,
     cluster_key,
     model_records,
+    pack,
 )
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
@@ -28,7 +32,7 @@ from .scripted_silos import NODE, TRUTH, ScriptedSilo
 ROUNDS = 6
 
 
-def _run(method: str, **extra):
+def _run(method: str, make_silo=ScriptedSilo, **extra):
     experiment = parse_run_config({
         "method": method, "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": ROUNDS,
         "select-window": 0.34, "eval-every": 3, "out-dir": "unused", **extra})
@@ -36,7 +40,7 @@ def _run(method: str, **extra):
     strategy = build_strategy(experiment, initial)
     layout = ModelLayout.of(initial)
     centres = np.random.default_rng(0).normal(0, 1, (3, layout.size)).astype(np.float32)
-    silos = {NODE + p: ScriptedSilo(p, layout, centres) for p in range(len(TRUTH))}
+    silos = {NODE + p: make_silo(p, layout, centres) for p in range(len(TRUTH))}
     grid = GridDouble(silos)
     strategy.discover(grid, expected=len(TRUTH), wait=1)
     strategy.start(grid, initial, ROUNDS, timeout=10)
@@ -175,3 +179,37 @@ def test_mrmtl_proximal_term_changes_the_update_by_exactly_lambda_times_the_gap(
     for key in plain:
         torch.testing.assert_close(regularised[key] - plain[key],
                                    torch.full_like(plain[key], 0.1), rtol=1e-4, atol=1e-5)
+
+
+class SiloSendingBadReplies(ScriptedSilo):
+    """Silo 0 replies to rounds 3, 4 and 5 with a NaN update, a cluster the run does not
+    have, and no epsilon; every other reply is the scripted one."""
+
+    def _train(self, message, cluster):
+        reply = super()._train(message, cluster)
+        server_round = int(message.content.config_records["config"]["server-round"])
+        if self.partition != 0 or server_round not in (3, 4, 5):
+            return reply
+        metrics = dict(reply.content.metric_records[METRICS])
+        update = ModelLayout.of(reply.content.array_records[UPDATE]).flatten(
+            reply.content.array_records[UPDATE])
+        if server_round == 3:
+            update[5] = np.nan
+        elif server_round == 4:
+            metrics["cluster"] = 7
+        else:
+            del metrics["epsilon-spent"]
+        return self._reply(message, {METRICS: MetricRecord(metrics), UPDATE: pack(update)})
+
+
+def test_a_reply_the_server_cannot_use_costs_that_silo_its_round_not_the_run(
+        server_task_identity, caplog):
+    strategy, grid, _ = _run("oracle", make_silo=SiloSendingBadReplies)
+    assert strategy.silos[0].dropped_rounds == [3, 4, 5]
+    assert all(s.dropped_rounds == [] for p, s in strategy.silos.items() if p != 0)
+    assert all(np.isfinite(model).all() for model in strategy.models)
+    assert len(grid.of_type("train")) == ROUNDS * len(TRUTH)  # silo 0 was asked every round
+    complaints = [r.getMessage() for r in caplog.records if "cannot use" in r.getMessage()]
+    assert [c.split(":")[0] for c in complaints] == ["round 3", "round 4", "round 5"]
+    assert "non-finite" in complaints[0] and "cluster 7" in complaints[1]
+    assert "epsilon-spent" in complaints[2]

@@ -263,12 +263,16 @@ class ClusteredStrategy(Strategy):
             if message.has_error():
                 self._log_error(server_round, silo, message, refused)
                 continue
-            metrics = dict(message.content.metric_records[METRICS])
-            models = model_records(message.content)
-            update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
-            good[partition] = TrainReply(integer(metrics, "cluster"), update, metrics)
-            silo.epsilon_spent = number(metrics, "epsilon-spent")
-            silo.noise_multiplier = number(metrics, "noise-multiplier")
+            try:
+                reply = self._train_reply(message)
+            except ValueError as exc:
+                silo.dropped_rounds.append(server_round)
+                logger.error("round %d: silo %d sent a reply the server cannot use (dropped): "
+                             "%s", server_round, partition, exc)
+                continue
+            good[partition] = reply
+            silo.epsilon_spent = number(reply.metrics, "epsilon-spent")
+            silo.noise_multiplier = number(reply.metrics, "noise-multiplier")
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
@@ -283,6 +287,25 @@ class ClusteredStrategy(Strategy):
         )
         self.reports.append(report)
         return report
+
+    def _train_reply(self, message: Message) -> TrainReply:
+        """A silo's train reply, checked before it can touch a cluster model: one silo running
+        other code (or broken arithmetic) must cost its own round, not the run or, through a
+        NaN in an average, every silo's model."""
+        try:
+            metrics = dict(message.content.metric_records[METRICS])
+            models = model_records(message.content)
+            update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
+            cluster = integer(metrics, "cluster")
+            for key in ("epsilon-spent", "noise-multiplier", "val-accuracy"):
+                number(metrics, key)
+        except KeyError as exc:
+            raise ValueError(f"no {exc} in the reply") from exc
+        if cluster not in (INITIAL, OWN) and not 0 <= cluster < self.n_clusters:
+            raise ValueError(f"it trained cluster {cluster}, this run has {self.n_clusters}")
+        if update is not None and not np.isfinite(update).all():
+            raise ValueError("its update has non-finite values")
+        return TrainReply(cluster, update, metrics)
 
     def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
                    refused: list[int]) -> None:
@@ -303,11 +326,16 @@ class ClusteredStrategy(Strategy):
             if message.has_error():
                 logger.error("evaluation on silo %d failed: %s", partition, message.error.reason)
                 continue
-            metrics = message.content.metric_records[METRICS]
+            try:
+                metrics = message.content.metric_records[METRICS]
+                values = [number(metrics, key)
+                          for key in ("test-accuracy", "test-loss", "epsilon-spent")]
+            except (KeyError, ValueError) as exc:
+                logger.error("evaluation on silo %d: a reply the server cannot use: %r",
+                             partition, exc)
+                continue
             silo = self.silos[partition]
-            silo.test_accuracy = number(metrics, "test-accuracy")
-            silo.test_loss = number(metrics, "test-loss")
-            silo.epsilon_spent = number(metrics, "epsilon-spent")
+            silo.test_accuracy, silo.test_loss, silo.epsilon_spent = values
             accuracy[partition] = silo.test_accuracy
         return accuracy
 
