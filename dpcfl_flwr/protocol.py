@@ -9,16 +9,16 @@ One record layout per message kind (Flower records only, no loose dicts):
     ``epsilon-spent``
 
 ``train`` (server -> silo, every round)
-    ``arrays`` (ArrayRecord): the one model to train, or ``cluster-0`` .. ``cluster-{M-1}``
-    when the silo must privately select one (stage 3 of R-DPCFL, IFCA);
+    ``arrays`` (a packed model, see below): the one model to train, or ``cluster-0`` ..
+    ``cluster-{M-1}`` when the silo must privately select one (stage 3 of R-DPCFL, IFCA);
     ``config`` (ConfigRecord): ``server-round``, ``stage``, ``cluster`` (-1 = select),
     ``round-batch`` ("full" or the batch size), the whole schedule the silo calibrates its
     noise for (``rounds``, ``local-epochs``, ``batch-size``, ``first-batch``,
     ``select-rounds``, ``select-ratio``, ``conversion``, ``budget-mode``, ``schedule``) and
     ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant`` and the
-    ``anchor`` ArrayRecord; Local sends ``personal`` = 1 (keep the trained model, reply
+    ``anchor`` model; Local sends ``personal`` = 1 (keep the trained model, reply
     without an update) and, after round 1, no weights at all (``cluster`` = -3, own model).
-  reply ``update`` (ArrayRecord: trained minus received weights) and ``metrics``
+  reply ``update`` (packed: trained minus received weights) and ``metrics``
     (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
     ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
     ``cpu-seconds`` (CPU time inside the handler, for the framework-overhead benchmark:
