@@ -191,8 +191,7 @@ class SiloSendingBadReplies(ScriptedSilo):
         if self.partition != 0 or server_round not in (3, 4, 5):
             return reply
         metrics = dict(reply.content.metric_records[METRICS])
-        update = ModelLayout.of(reply.content.array_records[UPDATE]).flatten(
-            reply.content.array_records[UPDATE])
+        update = self.layout.flatten(model_records(reply.content)[UPDATE])
         if server_round == 3:
             update[5] = np.nan
         elif server_round == 4:

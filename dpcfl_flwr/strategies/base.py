@@ -28,7 +28,6 @@ from ..protocol import (
     ARRAYS,
     BUDGET_EXCEEDED,
     CONFIG,
-    METRICS,
     OWN,
     SELECT,
     SILO,
@@ -38,6 +37,7 @@ from ..protocol import (
     arrays_from_vector,
     cluster_key,
     integer,
+    metrics_of,
     model_records,
     number,
     pack,
@@ -104,6 +104,16 @@ class TrainReply:
     cluster: int
     update: np.ndarray | None  # None when the silo keeps its model (Local)
     metrics: dict[str, Any]
+
+
+def _reply_numbers(message: Message, keys: tuple[str, ...]) -> tuple[MetricRecord, list[float]]:
+    """A reply's metrics and the fields ``keys`` of them as numbers; ValueError naming what is
+    missing or not a number."""
+    try:
+        metrics = metrics_of(message)
+        return metrics, [number(metrics, key) for key in keys]
+    except KeyError as exc:
+        raise ValueError(f"no {exc} in the reply") from exc
 
 
 class ClusteredStrategy(Strategy):
@@ -292,20 +302,16 @@ class ClusteredStrategy(Strategy):
         """A silo's train reply, checked before it can touch a cluster model: one silo running
         other code (or broken arithmetic) must cost its own round, not the run or, through a
         NaN in an average, every silo's model."""
-        try:
-            metrics = dict(message.content.metric_records[METRICS])
-            models = model_records(message.content)
-            update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
-            cluster = integer(metrics, "cluster")
-            for key in ("epsilon-spent", "noise-multiplier", "val-accuracy"):
-                number(metrics, key)
-        except KeyError as exc:
-            raise ValueError(f"no {exc} in the reply") from exc
+        metrics, numbers = _reply_numbers(
+            message, ("cluster", "epsilon-spent", "noise-multiplier", "val-accuracy"))
+        cluster = int(numbers[0])
+        models = model_records(message.content)
+        update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
         if cluster not in (INITIAL, OWN) and not 0 <= cluster < self.n_clusters:
             raise ValueError(f"it trained cluster {cluster}, this run has {self.n_clusters}")
         if update is not None and not np.isfinite(update).all():
             raise ValueError("its update has non-finite values")
-        return TrainReply(cluster, update, metrics)
+        return TrainReply(cluster, update, dict(metrics))
 
     def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
                    refused: list[int]) -> None:
@@ -327,11 +333,10 @@ class ClusteredStrategy(Strategy):
                 logger.error("evaluation on silo %d failed: %s", partition, message.error.reason)
                 continue
             try:
-                metrics = message.content.metric_records[METRICS]
-                values = [number(metrics, key)
-                          for key in ("test-accuracy", "test-loss", "epsilon-spent")]
-            except (KeyError, ValueError) as exc:
-                logger.error("evaluation on silo %d: a reply the server cannot use: %r",
+                _, values = _reply_numbers(message, ("test-accuracy", "test-loss",
+                                                     "epsilon-spent"))
+            except ValueError as exc:
+                logger.error("evaluation on silo %d: a reply the server cannot use: %s",
                              partition, exc)
                 continue
             silo = self.silos[partition]
@@ -369,7 +374,7 @@ class ClusteredStrategy(Strategy):
             if message.has_error():
                 logger.error("silo on node %d cannot start: %s", node, message.error.reason)
                 continue
-            self._register(node, message.content.metric_records[SILO])
+            self._register(node, metrics_of(message, SILO))
 
     def _register(self, node: int, info: MetricRecord) -> None:
         partition = integer(info, "partition-id")
