@@ -45,7 +45,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import control_middleware
+from . import control_middleware, runtime_fast_path
 from .supernode_launcher import PATCHED_FLOWER, exit_code_of
 
 DEFAULT_PULL_HOLD = 10.0  # seconds; an idle SuperNode then polls ~6x a minute
@@ -282,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"--pull-hold {options.pull_hold:g})", file=sys.stderr, flush=True)
     if control_middleware.install():
         print("dpcfl: Runtime API requests skip the Control API's middleware",
+              file=sys.stderr, flush=True)
+    if runtime_fast_path.install():
+        print("dpcfl: the ServerApp's object requests skip FastAPI's routing",
               file=sys.stderr, flush=True)
     sys.argv = ["flower-superlink", *rest]
     sys.exit(exit_code_of(flower_superlink))

@@ -1,0 +1,148 @@
+"""The ServerApp's object requests answered without FastAPI's per-request machinery.
+
+Flower 1.39's ServerApp reaches the SuperLink over the Runtime HTTP API with one request per
+object it pushes or pulls and one per reply it confirms: ~5 of the ~6 Runtime API requests per
+silo and round on the quick example (bench/RESULTS.md, request counts). Each one passes
+uvicorn, Starlette's middleware stack, FastAPI's routing and dependency solving, a hop to a
+worker thread and Flower's protobuf translation, all on the SuperLink's event-loop thread,
+which took about half of the SuperLink's CPU in gRPC rounds, on the cores the silos train on.
+
+:class:`ObjectRequestsFastPath` answers those three routes (``pull-object``, ``push-object``,
+``confirm-message-received``) itself, with what Flower's route would use: the same protobuf
+request and response bodies, the same Runtime version check, the same task-token rule
+(exactly one token header naming a task in the state), the same handler of Flower's Runtime
+API on the same state, and Flower's own error translation when the handler fails. A request
+it cannot answer that way (another content type, a body that does not parse, an incompatible
+caller, a missing or unknown token) goes through Flower's full app before any handler has
+run, so Flower gives its own answer or error. Any other request goes through Flower's app
+untouched. It is installed only on the Flower version it was written against, and only when
+no middleware of an extension or an event-log plugin would have seen these requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .supernode_launcher import PATCHED_FLOWER
+
+RUNTIME_PREFIX = "/v1/runtime/"
+# route -> (request type name in flwr.proto.message_pb2, handler name in Flower's handlers)
+OBJECT_ROUTES = {
+    "pull-object": ("PullObjectRequest", "pull_object"),
+    "push-object": ("PushObjectRequest", "push_object"),
+    "confirm-message-received": ("ConfirmMessageReceivedRequest", "confirm_message_received"),
+}
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        event = await receive()
+        if event["type"] != "http.request":  # the caller went away
+            return b""
+        chunks.append(event.get("body", b""))
+        if not event.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that hands the already-read body over once more, then the caller's events."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class ObjectRequestsFastPath:
+    """Pure ASGI, outside Flower's SuperLink app (``app``): see the module docstring."""
+
+    def __init__(self, app: Any) -> None:
+        from flwr.proto import message_pb2  # pylint: disable=E0611
+        from flwr.supercore.dependencies.runtime_version import RuntimeVersionDependency
+
+        self.app = app
+        self.state = app.state  # Starlette's State of Flower's app: its factory and handlers
+        self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler)
+                       for route, (request, handler) in OBJECT_ROUTES.items()}
+        self.version = RuntimeVersionDependency(
+            component_name="SuperLink", connection_name="Caller <-> SuperLink Runtime API")
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Any) -> None:
+        route = (self.routes.get(scope["path"])
+                 if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        answer = self._prepared(scope, body, *route)
+        if answer is None:
+            await self.app(scope, _replaying(body, receive), send)
+            return
+        response = await answer
+        await response(scope, receive, send)
+
+    def _prepared(self, scope: dict[str, Any], body: bytes, request_type: type,
+                  handler_name: str) -> Awaitable[Any] | None:
+        """The response to come, or None when Flower's app must answer this request."""
+        from flwr.supercore.constant import TASK_TOKEN_HEADER
+        from flwr.supercore.error import FlowerError
+        from flwr.supercore.error.http import http_error_translator
+        from flwr.supercore.protobuf.constants import PROTOBUF_MEDIA_TYPE
+        from google.protobuf.message import DecodeError
+        from starlette.concurrency import run_in_threadpool
+        from starlette.requests import Request
+        from starlette.responses import Response
+
+        request = Request(scope)
+        content_type = request.headers.get("content-type", "")
+        tokens = request.headers.getlist(TASK_TOKEN_HEADER)
+        if content_type.partition(";")[0].strip().lower() != PROTOBUF_MEDIA_TYPE or (
+                len(tokens) != 1 or not tokens[0]):
+            return None
+        message = request_type()
+        try:
+            message.ParseFromString(body)
+            self.version(request)
+        except (DecodeError, FlowerError):
+            return None
+        state = self.state.runtime_state_factory.state()
+        task = state.get_task_by_token(tokens[0])
+        if task is None:
+            return None
+        handler = getattr(self.state.runtime_handlers, handler_name)
+
+        async def answer(_: Request) -> Response:
+            result = await run_in_threadpool(handler, message, state, task)
+            return Response(content=result.SerializeToString(), media_type=PROTOBUF_MEDIA_TYPE)
+
+        return http_error_translator(request, answer)
+
+
+def install() -> bool:
+    """Put the fast path around the app ``flower-superlink`` serves; False (nothing changed)
+    on another Flower version, or when an extension or event-log plugin is configured."""
+    import flwr
+    from flwr.superlink import extensions
+    from flwr.superlink import main as superlink_main
+
+    if flwr.__version__ != PATCHED_FLOWER or extensions.get_middleware():
+        return False
+    create_app = superlink_main.create_app
+
+    def create_app_with_fast_path(*args: Any, **kwargs: Any) -> Any:
+        app = create_app(*args, **kwargs)
+        if app.state.control_event_log_plugin is not None:
+            return app
+        return ObjectRequestsFastPath(app)
+
+    superlink_main.create_app = create_app_with_fast_path
+    return True

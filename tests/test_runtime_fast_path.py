@@ -1,0 +1,153 @@
+"""The SuperLink answers the ServerApp's object requests without FastAPI's routing, and every
+answer is the one Flower's own app gives: Flower's real SuperLink app is built twice (two
+fresh in-memory link states), once as Flower serves it and once behind the fast path, and
+both get the same requests over Starlette's test client.
+"""
+
+from __future__ import annotations
+
+import flwr
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+    ConfirmMessageReceivedRequest,
+    PullObjectRequest,
+    PullObjectResponse,
+    PushObjectRequest,
+)
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.supercore.constant import NOOP_FEDERATION_ID, TASK_TOKEN_HEADER, TaskType
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
+from flwr.superlink import main as superlink_main
+from starlette.testclient import TestClient
+
+from dpcfl_flwr.deploy import runtime_fast_path
+from dpcfl_flwr.deploy.runtime_fast_path import ObjectRequestsFastPath
+from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
+
+PROTOBUF = "application/protobuf"
+SERVERAPP = dict(RuntimeVersionMetadata.from_local_component("ServerApp").as_metadata())
+HERE = Node(node_id=SUPERLINK_NODE_ID)
+
+
+class Counted:
+    """Flower's app, counting the requests that reach it."""
+
+    def __init__(self, app) -> None:
+        self.app, self.state, self.paths = app, app.state, []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+def _post(client, route: str, body: bytes, token: str | None, **headers: str):
+    sent = {"content-type": PROTOBUF, **SERVERAPP, **headers}
+    if token is not None:
+        sent[TASK_TOKEN_HEADER] = token
+    return client.post(f"/v1/runtime/{route}", content=body, headers=sent)
+
+
+def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
+    """A ServerApp's object traffic and the ways it can go wrong, against a fresh SuperLink
+    app wrapped by ``wrap``: (status, content type, body) per request, and the paths that
+    reached Flower's app."""
+    flowers = Counted(superlink_main.create_app())
+    state = flowers.state.runtime_state_factory.state()
+    run_id = state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                              TaskType.SERVER_APP)
+    task_id = state.get_run_info(run_ids=[run_id])[0].primary_task_id
+    token = state.claim_task(task_id)
+    assert token
+    task_identity(task_id, run_id, SUPERLINK_NODE_ID)
+    (node,) = vce_api._register_nodes(1, flowers.state.linkstate_factory)
+    message = Message(RecordDict({"model": ArrayRecord({"w": Array(
+        np.arange(6, dtype="float32"))})}), dst_node_id=node, message_type="train")
+    message.metadata.__dict__["_message_id"] = message.object_id
+    session = state.start_session(run_id)
+    stored, missing = state.store_message_and_object_tree(message, get_object_tree(message),
+                                                          session)
+    assert stored and missing
+    objects = get_all_nested_objects(message)
+    answers = []
+    with TestClient(wrap(flowers)) as client:
+        def record(response) -> None:
+            body = response.content
+            if (response.status_code == 200 and response.request.url.path.endswith("pull-object")
+                    and response.headers.get("content-type") == PROTOBUF):
+                # the message's bytes name this state's run: compare them with its own object
+                pulled = PullObjectResponse.FromString(body)
+                if pulled.object_content == objects[message.object_id].deflate():
+                    pulled.object_content = b"<the message>"
+                body = pulled.SerializeToString()
+            answers.append((response.status_code, response.headers.get("content-type"), body))
+
+        for object_id in missing:  # the push of a message's objects
+            record(_post(client, "push-object", PushObjectRequest(
+                node=HERE, run_id=run_id, session_id=session, object_id=object_id,
+                object_content=objects[object_id].deflate()).SerializeToString(), token))
+        pull = PullObjectRequest(node=HERE, run_id=run_id, object_id=message.object_id)
+        record(_post(client, "pull-object", pull.SerializeToString(), token))
+        record(_post(client, "pull-object", PullObjectRequest(
+            node=HERE, run_id=run_id, object_id="0" * 64).SerializeToString(), token))
+        # the handler refuses: Flower's error translation answers
+        record(_post(client, "pull-object", PullObjectRequest(
+            node=Node(node_id=node), run_id=run_id,
+            object_id=message.object_id).SerializeToString(), token))
+        # Flower's app answers these before any handler runs
+        record(_post(client, "pull-object", pull.SerializeToString(), None))
+        record(_post(client, "pull-object", pull.SerializeToString(), "not-a-token"))
+        record(_post(client, "pull-object", pull.SerializeToString(), token,
+                     **{"content-type": "application/json"}))
+        record(_post(client, "pull-object", b"\xff\xff\xff", token))
+        record(_post(client, "pull-object", pull.SerializeToString(), token,
+                     **{"flwr-package-version": "1.38.0"}))  # another minor version
+        record(_post(client, "confirm-message-received", ConfirmMessageReceivedRequest(
+            node=HERE, run_id=run_id,
+            message_object_id=message.object_id).SerializeToString(), token))
+        record(_post(client, "pull-object", pull.SerializeToString(), token))  # gone
+        record(client.get("/health"))
+    return answers, flowers.paths
+
+
+def test_object_requests_skip_flowers_routing_and_get_flowers_answers(task_identity):
+    flowers, reached_flower = exchange(lambda app: app, task_identity)
+    ours, reached_ours = exchange(ObjectRequestsFastPath, task_identity)
+    assert ours == flowers
+    pulled = PullObjectResponse.FromString(flowers[-11][2])
+    assert pulled.object_found and pulled.object_content == b"<the message>"
+    statuses = [status for status, _, _ in flowers]
+    pushes = len(statuses) - 11
+    assert statuses == [200] * pushes + [200, 200, 412, 401, 401, 415, 400, 412, 200, 200,
+                                         200], statuses
+    assert len(reached_flower) == len(statuses)
+    # only the refused requests and the health check reached Flower's app
+    assert reached_ours == ["/v1/runtime/pull-object"] * 5 + ["/health"]
+
+
+def test_install_only_on_the_known_flower_version(monkeypatch):
+    monkeypatch.setattr(superlink_main, "create_app", superlink_main.create_app)
+    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+    assert not runtime_fast_path.install()
+    monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
+    assert runtime_fast_path.install()
+    assert isinstance(superlink_main.create_app(), ObjectRequestsFastPath)
+
+
+def test_an_event_log_plugin_keeps_flowers_app(monkeypatch):
+    monkeypatch.setattr(superlink_main, "create_app", superlink_main.create_app)
+    monkeypatch.setenv("FLWR_ENABLE_EVENT_LOG", "1")
+    monkeypatch.setattr(superlink_main, "load_control_event_log_plugin", lambda: object())
+    assert runtime_fast_path.install()
+    assert not isinstance(superlink_main.create_app(), ObjectRequestsFastPath)
+
+
+@pytest.fixture(autouse=True)
+def _flowers_create_app(monkeypatch):
+    """install() replaces the module's function: restore it after each test."""
+    monkeypatch.setattr(superlink_main, "create_app", superlink_main.create_app)
