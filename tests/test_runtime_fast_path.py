@@ -55,8 +55,8 @@ def _post(client, route: str, body: bytes, token: str | None, **headers: str):
 
 def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
     """A ServerApp's object traffic and the ways it can go wrong, against a fresh SuperLink
-    app wrapped by ``wrap``: (status, content type, body) per request, and the paths that
-    reached Flower's app."""
+    app (its state as FLWR_DATABASE says) wrapped by ``wrap``: (status, content type, body) per
+    request, and the paths that reached Flower's app."""
     flowers = Counted(superlink_main.create_app())
     state = flowers.state.runtime_state_factory.state()
     run_id = state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
@@ -115,8 +115,17 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
     return answers, flowers.paths
 
 
-def test_object_requests_skip_flowers_routing_and_get_flowers_answers(task_identity):
+@pytest.mark.parametrize("database", ["in-memory", "sqlite"])
+def test_object_requests_skip_flowers_routing_and_get_flowers_answers(
+        database, task_identity, monkeypatch, tmp_path):
+    # `dpcfl server` keeps its state in SQLite unless --in-memory
+    def fresh_state(name: str) -> None:
+        if database == "sqlite":
+            monkeypatch.setenv("FLWR_DATABASE", str(tmp_path / f"{name}.db"))
+
+    fresh_state("flower")
     flowers, reached_flower = exchange(lambda app: app, task_identity)
+    fresh_state("ours")
     ours, reached_ours = exchange(ObjectRequestsFastPath, task_identity)
     assert ours == flowers
     pulled = PullObjectResponse.FromString(flowers[-11][2])

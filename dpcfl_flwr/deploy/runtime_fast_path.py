@@ -24,6 +24,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
 from .supernode_launcher import PATCHED_FLOWER
 
 RUNTIME_PREFIX = "/v1/runtime/"
@@ -37,12 +41,18 @@ OBJECT_ROUTES = {
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
-async def _read_body(receive: Receive) -> bytes:
+class _FlowersToAnswer(BaseException):  # noqa: N818 - a signal, not an error
+    """Raised in the worker thread when the token names no task: Flower's app answers. A
+    BaseException, because Flower's error translator turns every Exception into a 500."""
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's body; None when the caller went away before sending all of it."""
     chunks = []
     while True:
         event = await receive()
-        if event["type"] != "http.request":  # the caller went away
-            return b""
+        if event["type"] != "http.request":
+            return None
         chunks.append(event.get("body", b""))
         if not event.get("more_body", False):
             return b"".join(chunks)
@@ -67,14 +77,22 @@ class ObjectRequestsFastPath:
 
     def __init__(self, app: Any) -> None:
         from flwr.proto import message_pb2  # pylint: disable=E0611
+        from flwr.supercore.constant import TASK_TOKEN_HEADER
         from flwr.supercore.dependencies.runtime_version import RuntimeVersionDependency
+        from flwr.supercore.error import FlowerError
+        from flwr.supercore.error.http import http_error_translator
+        from flwr.supercore.protobuf.constants import PROTOBUF_MEDIA_TYPE
+        from google.protobuf.message import DecodeError
 
         self.app = app
         self.state = app.state  # Starlette's State of Flower's app: its factory and handlers
         self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler)
                        for route, (request, handler) in OBJECT_ROUTES.items()}
-        self.version = RuntimeVersionDependency(
+        self.check_version = RuntimeVersionDependency(
             component_name="SuperLink", connection_name="Caller <-> SuperLink Runtime API")
+        self.refusals = (DecodeError, FlowerError)
+        self.token_header, self.media_type = TASK_TOKEN_HEADER, PROTOBUF_MEDIA_TYPE
+        self.translate_errors = http_error_translator
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Any) -> None:
         route = (self.routes.get(scope["path"])
@@ -83,48 +101,48 @@ class ObjectRequestsFastPath:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
-        answer = self._prepared(scope, body, *route)
-        if answer is None:
-            await self.app(scope, _replaying(body, receive), send)
-            return
-        response = await answer
-        await response(scope, receive, send)
-
-    def _prepared(self, scope: dict[str, Any], body: bytes, request_type: type,
-                  handler_name: str) -> Awaitable[Any] | None:
-        """The response to come, or None when Flower's app must answer this request."""
-        from flwr.supercore.constant import TASK_TOKEN_HEADER
-        from flwr.supercore.error import FlowerError
-        from flwr.supercore.error.http import http_error_translator
-        from flwr.supercore.protobuf.constants import PROTOBUF_MEDIA_TYPE
-        from google.protobuf.message import DecodeError
-        from starlette.concurrency import run_in_threadpool
-        from starlette.requests import Request
-        from starlette.responses import Response
-
+        if body is None:
+            return  # nobody to answer
         request = Request(scope)
+        parsed = self._parsed(request, body, route[0])
+        if parsed is not None:
+            message, token = parsed
+            state = self.state.runtime_state_factory.state()
+            handler = getattr(self.state.runtime_handlers, route[1])
+
+            def work() -> Any:  # a database state may wait on its lock: not on the event loop
+                task = state.get_task_by_token(token)
+                if task is None:
+                    raise _FlowersToAnswer
+                return handler(message, state, task)
+
+            async def answer(_: Request) -> Response:
+                result = await run_in_threadpool(work)
+                return Response(content=result.SerializeToString(), media_type=self.media_type)
+
+            try:
+                response = await self.translate_errors(request, answer)
+            except _FlowersToAnswer:
+                pass
+            else:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, _replaying(body, receive), send)
+
+    def _parsed(self, request: Request, body: bytes, request_type: type) -> tuple[Any, str] | None:
+        """(the protobuf request, its task token), or None when Flower's app must answer."""
         content_type = request.headers.get("content-type", "")
-        tokens = request.headers.getlist(TASK_TOKEN_HEADER)
-        if content_type.partition(";")[0].strip().lower() != PROTOBUF_MEDIA_TYPE or (
+        tokens = request.headers.getlist(self.token_header)
+        if content_type.partition(";")[0].strip().lower() != self.media_type or (
                 len(tokens) != 1 or not tokens[0]):
             return None
         message = request_type()
         try:
             message.ParseFromString(body)
-            self.version(request)
-        except (DecodeError, FlowerError):
+            self.check_version(request)
+        except self.refusals:
             return None
-        state = self.state.runtime_state_factory.state()
-        task = state.get_task_by_token(tokens[0])
-        if task is None:
-            return None
-        handler = getattr(self.state.runtime_handlers, handler_name)
-
-        async def answer(_: Request) -> Response:
-            result = await run_in_threadpool(handler, message, state, task)
-            return Response(content=result.SerializeToString(), media_type=PROTOBUF_MEDIA_TYPE)
-
-        return http_error_translator(request, answer)
+        return message, tokens[0]
 
 
 def install() -> bool:

@@ -20,12 +20,11 @@ was written against and otherwise runs the SuperNode with Flower's own waits and
 With ``--clientapp-in-process`` (what a warm silo runs, flwr 1.39.0 only) the SuperNode also
 answers its ClientApp tasks in its own process (:mod:`.direct_runtime`); its reply wait then
 ends as soon as the task is done, and between checks it waits Flower's 0.5 s, a safety net
-only: checking every 0.1 s through a 3 s round woke the loop 30 times per message, ~4 ms of
-CPU (bench/RESULTS.md). The SuperNode's local Runtime
-API (uvicorn) ticks once a second instead of ten times, and its gRPC channel goes without the
-connectivity subscription Flower makes only to log changes at DEBUG (gRPC polls the channel
-five times a second for it): 21 idle silos' ticks and polls were CPU that the training silos
-on the same cores did not get.
+only (checking every 0.1 s through a 3 s round woke the loop 30 times per message, ~4 ms of
+CPU, bench/RESULTS.md). The SuperNode's local Runtime API (uvicorn) ticks once a second
+instead of ten times, and its gRPC channel goes without the connectivity subscription Flower
+makes only to log changes at DEBUG (gRPC polls the channel five times a second for it): 21
+idle silos' ticks and polls were CPU that the training silos on the same cores did not get.
 
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
