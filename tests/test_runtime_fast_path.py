@@ -55,7 +55,7 @@ def _post(client, route: str, body: bytes, token: str | None, **headers: str):
 
 def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
     """A ServerApp's object traffic and the ways it can go wrong, against a fresh SuperLink
-    app (its state as FLWR_DATABASE says) wrapped by ``wrap``: (status, content type, body) per
+    app (its state as FLWR_DATABASE says) wrapped by ``wrap``: (status, headers, body) per
     request, and the paths that reached Flower's app."""
     flowers = Counted(superlink_main.create_app())
     state = flowers.state.runtime_state_factory.state()
@@ -79,13 +79,15 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
         def record(response) -> None:
             body = response.content
             if (response.status_code == 200 and response.request.url.path.endswith("pull-object")
-                    and response.headers.get("content-type") == PROTOBUF):
+                    and response.headers["content-type"] == PROTOBUF):
                 # the message's bytes name this state's run: compare them with its own object
                 pulled = PullObjectResponse.FromString(body)
                 if pulled.object_content == objects[message.object_id].deflate():
                     pulled.object_content = b"<the message>"
                 body = pulled.SerializeToString()
-            answers.append((response.status_code, response.headers.get("content-type"), body))
+            headers = sorted((k, v) for k, v in response.headers.items()
+                             if k != "content-length")  # the message's length names its run
+            answers.append((response.status_code, headers, body))
 
         for object_id in missing:  # the push of a message's objects
             record(_post(client, "push-object", PushObjectRequest(

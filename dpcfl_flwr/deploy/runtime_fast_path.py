@@ -107,10 +107,10 @@ class ObjectRequestsFastPath:
         parsed = self._parsed(request, body, route[0])
         if parsed is not None:
             message, token = parsed
-            state = self.state.runtime_state_factory.state()
             handler = getattr(self.state.runtime_handlers, route[1])
 
             def work() -> Any:  # a database state may wait on its lock: not on the event loop
+                state = self.state.runtime_state_factory.state()
                 task = state.get_task_by_token(token)
                 if task is None:
                     raise _FlowersToAnswer
