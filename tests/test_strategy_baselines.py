@@ -15,6 +15,7 @@ from dpcfl_flwr.protocol import (
     METRICS,
     OWN,
     SELECT,
+    SILO,
     UPDATE,
     ModelLayout,
     cluster_key,
@@ -212,3 +213,25 @@ def test_a_reply_the_server_cannot_use_costs_that_silo_its_round_not_the_run(
     assert [c.split(":")[0] for c in complaints] == ["round 3", "round 4", "round 5"]
     assert "non-finite" in complaints[0] and "cluster 7" in complaints[1]
     assert "epsilon-spent" in complaints[2]
+
+
+class SiloDescribingItselfBadly(ScriptedSilo):
+    """Silo 2 answers the query without its train-set size; everything else is scripted."""
+
+    def __call__(self, message):
+        reply = super().__call__(message)
+        if self.partition != 2 or message.metadata.message_type != "query":
+            return reply
+        described = dict(reply.content.metric_records[SILO])
+        del described["num-train"]
+        return self._reply(message, {SILO: MetricRecord(described)})
+
+
+def test_a_silo_the_server_cannot_register_is_left_out_not_the_run(server_task_identity,
+                                                                     caplog):
+    strategy, grid, _ = _run("oracle", make_silo=SiloDescribingItselfBadly)
+    assert sorted(strategy.silos) == [p for p in range(len(TRUTH)) if p != 2]
+    assert all(m.metadata.dst_node_id != NODE + 2 for m in grid.of_type("train"))
+    assert len(grid.of_type("train")) == ROUNDS * (len(TRUTH) - 1)
+    complaints = [r.getMessage() for r in caplog.records if "cannot use" in r.getMessage()]
+    assert complaints and all(f"node {NODE + 2}" in c and "num-train" in c for c in complaints)

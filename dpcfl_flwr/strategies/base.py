@@ -28,6 +28,7 @@ from ..protocol import (
     ARRAYS,
     BUDGET_EXCEEDED,
     CONFIG,
+    METRICS,
     OWN,
     SELECT,
     SILO,
@@ -36,7 +37,6 @@ from ..protocol import (
     WireModel,
     arrays_from_vector,
     cluster_key,
-    integer,
     metrics_of,
     model_records,
     number,
@@ -106,14 +106,20 @@ class TrainReply:
     metrics: dict[str, Any]
 
 
-def _reply_numbers(message: Message, keys: tuple[str, ...]) -> tuple[MetricRecord, list[float]]:
-    """A reply's metrics and the fields ``keys`` of them as numbers; ValueError naming what is
-    missing or not a number."""
+def _reply_numbers(message: Message, keys: tuple[str, ...],
+                   record: str = METRICS) -> tuple[MetricRecord, list[float]]:
+    """A reply's metric record ``record`` and its fields ``keys`` as numbers; ValueError naming
+    what is missing or not a number."""
     try:
-        metrics = metrics_of(message)
+        metrics = metrics_of(message, record)
         return metrics, [number(metrics, key) for key in keys]
     except KeyError as exc:
         raise ValueError(f"no {exc} in the reply") from exc
+
+
+# what a silo says of itself when queried, in SiloInfo's order
+SILO_FIELDS = ("partition-id", "true-cluster", "num-train", "epsilon-budget", "delta",
+               "epsilon-spent")
 
 
 class ClusteredStrategy(Strategy):
@@ -374,18 +380,23 @@ class ClusteredStrategy(Strategy):
             if message.has_error():
                 logger.error("silo on node %d cannot start: %s", node, message.error.reason)
                 continue
-            self._register(node, metrics_of(message, SILO))
+            try:
+                _, fields = _reply_numbers(message, SILO_FIELDS, SILO)
+            except ValueError as exc:  # asked again next round, like a silo that cannot start
+                logger.error("silo on node %d described itself in a way the server cannot use "
+                             "(not registered): %s", node, exc)
+                continue
+            self._register(node, fields)
 
-    def _register(self, node: int, info: MetricRecord) -> None:
-        partition = integer(info, "partition-id")
-        if partition in self.silos:
-            logger.warning("silo %d rejoined as node %d", partition, node)
-            self.silos[partition].node_id = node
-            self.silos[partition].epsilon_spent = number(info, "epsilon-spent")
+    def _register(self, node: int, fields: list[float]) -> None:
+        partition, cluster, num_train, budget, delta, spent = fields
+        if int(partition) in self.silos:
+            logger.warning("silo %d rejoined as node %d", int(partition), node)
+            self.silos[int(partition)].node_id = node
+            self.silos[int(partition)].epsilon_spent = spent
             return
-        self.silos[partition] = SiloInfo(
-            partition, node, integer(info, "true-cluster"), integer(info, "num-train"),
-            number(info, "epsilon-budget"), number(info, "delta"), number(info, "epsilon-spent"))
+        self.silos[int(partition)] = SiloInfo(int(partition), node, int(cluster), int(num_train),
+                                              budget, delta, spent)
 
     # --- the rounds -----------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
