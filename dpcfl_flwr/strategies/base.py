@@ -389,14 +389,15 @@ class ClusteredStrategy(Strategy):
             self._register(node, fields)
 
     def _register(self, node: int, fields: list[float]) -> None:
-        partition, cluster, num_train, budget, delta, spent = fields
-        if int(partition) in self.silos:
-            logger.warning("silo %d rejoined as node %d", int(partition), node)
-            self.silos[int(partition)].node_id = node
-            self.silos[int(partition)].epsilon_spent = spent
+        """``fields``: the silo's SILO_FIELDS, in that order."""
+        partition, cluster, num_train = (int(value) for value in fields[:3])
+        budget, delta, spent = fields[3:]
+        if partition in self.silos:
+            logger.warning("silo %d rejoined as node %d", partition, node)
+            self.silos[partition].node_id = node
+            self.silos[partition].epsilon_spent = spent
             return
-        self.silos[int(partition)] = SiloInfo(int(partition), node, int(cluster), int(num_train),
-                                              budget, delta, spent)
+        self.silos[partition] = SiloInfo(partition, node, cluster, num_train, budget, delta, spent)
 
     # --- the rounds -----------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
