@@ -1,7 +1,7 @@
 """The SuperLink answers the ServerApp's object requests without FastAPI's routing, and every
 answer is the one Flower's own app gives: Flower's real SuperLink app is built twice (two
-fresh in-memory link states), once as Flower serves it and once behind the fast path, and
-both get the same requests over Starlette's test client.
+fresh link states, in memory or SQLite), once as Flower serves it and once behind the fast
+path, and both get the same requests over Starlette's test client.
 """
 
 from __future__ import annotations
@@ -142,7 +142,6 @@ def test_object_requests_skip_flowers_routing_and_get_flowers_answers(
 
 
 def test_install_only_on_the_known_flower_version(monkeypatch):
-    monkeypatch.setattr(superlink_main, "create_app", superlink_main.create_app)
     monkeypatch.setattr(flwr, "__version__", "9.9.9")
     assert not runtime_fast_path.install()
     monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
@@ -151,7 +150,6 @@ def test_install_only_on_the_known_flower_version(monkeypatch):
 
 
 def test_an_event_log_plugin_keeps_flowers_app(monkeypatch):
-    monkeypatch.setattr(superlink_main, "create_app", superlink_main.create_app)
     monkeypatch.setenv("FLWR_ENABLE_EVENT_LOG", "1")
     monkeypatch.setattr(superlink_main, "load_control_event_log_plugin", lambda: object())
     assert runtime_fast_path.install()

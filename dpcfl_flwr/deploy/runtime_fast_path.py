@@ -78,18 +78,18 @@ class ObjectRequestsFastPath:
     def __init__(self, app: Any) -> None:
         from flwr.proto import message_pb2  # pylint: disable=E0611
         from flwr.supercore.constant import TASK_TOKEN_HEADER
-        from flwr.supercore.dependencies.runtime_version import RuntimeVersionDependency
         from flwr.supercore.error import FlowerError
         from flwr.supercore.error.http import http_error_translator
         from flwr.supercore.protobuf.constants import PROTOBUF_MEDIA_TYPE
+        from flwr.superlink import main as superlink_main
         from google.protobuf.message import DecodeError
 
         self.app = app
         self.state = app.state  # Starlette's State of Flower's app: its factory and handlers
         self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler)
                        for route, (request, handler) in OBJECT_ROUTES.items()}
-        self.check_version = RuntimeVersionDependency(
-            component_name="SuperLink", connection_name="Caller <-> SuperLink Runtime API")
+        # the check Flower's Runtime router depends on, itself
+        self.check_version = superlink_main._RUNTIME_VERSION_DEPENDENCY.dependency
         self.refusals = (DecodeError, FlowerError)
         self.token_header, self.media_type = TASK_TOKEN_HEADER, PROTOBUF_MEDIA_TYPE
         self.translate_errors = http_error_translator
