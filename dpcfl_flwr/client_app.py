@@ -36,6 +36,7 @@ from .protocol import (
     metric_record,
     model_records,
     number,
+    one_record,
     pack_state,
     reply,
     unpack_state,
@@ -139,14 +140,12 @@ def train(message: Message, context: Context) -> Message:
     metrics.update({"cluster": cluster, "selected": int(selecting),
                     "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier,
                     "cpu-seconds": clock() - started})
-    content = RecordDict({METRICS: metric_record(metrics)})
     if "personal" in config and integer(config, "personal") == 1:
         # Local training: the model stays in the silo; only metrics leave it.
         trained = {k: start[k] + update[k] for k in start}
         context.state[OWN_MODEL] = ArrayRecord(trained)
-    else:
-        content[UPDATE] = pack_state(update)
-    return reply(message, content)
+        return reply(message, one_record(METRICS, metrics))
+    return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(update)}))
 
 
 def _received_or_own(message: Message, context: Context,

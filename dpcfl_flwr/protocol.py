@@ -9,38 +9,38 @@ One record layout per message kind (Flower records only, no loose dicts):
     ``epsilon-spent``
 
 ``train`` (server -> silo, every round)
-    ``arrays`` (a packed model, see below): the one model to train, or ``cluster-0`` ..
-    ``cluster-{M-1}`` when the silo must privately select one (stage 3 of R-DPCFL, IFCA);
     ``config`` (ConfigRecord): ``server-round``, ``stage``, ``cluster`` (-1 = select),
     ``round-batch`` ("full" or the batch size), the whole schedule the silo calibrates its
     noise for (``rounds``, ``local-epochs``, ``batch-size``, ``first-batch``,
     ``select-rounds``, ``select-ratio``, ``conversion``, ``budget-mode``, ``schedule``) and
-    ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant`` and the
-    ``anchor`` model; Local sends ``personal`` = 1 (keep the trained model, reply
-    without an update) and, after round 1, no weights at all (``cluster`` = -3, own model).
-  reply ``update`` (packed: trained minus received weights) and ``metrics``
-    (MetricRecord): ``num-examples``, ``cluster`` (trained), ``selected`` (0/1),
-    ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
-    ``cpu-seconds`` (CPU time inside the handler, for the framework-overhead benchmark:
-    wall time would count the waits of silos sharing cores);
+    ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant``; Local
+    sends ``personal`` = 1 (keep the trained model, reply without an update) and, after round
+    1, no weights at all (``cluster`` = -3, own model). The models (see below): ``arrays``,
+    the one model to train, or ``cluster-0`` .. ``cluster-{M-1}`` when the silo must privately
+    select one (stage 3 of R-DPCFL, IFCA); MR-MTL's ``anchor``.
+  reply ``metrics`` (ConfigRecord): ``num-examples``, ``cluster`` (trained), ``selected``
+    (0/1), ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
+    ``cpu-seconds`` (CPU time inside the handler, for the framework-overhead benchmark: wall
+    time would count the waits of silos sharing cores) and the model ``update`` (trained
+    minus received weights);
   or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
 
-Every model (``arrays``, ``cluster-m``, ``anchor``, ``update``) travels packed (:func:`pack`):
-its tensors in state-dict order as one little-endian float32 vector; both ends know the model,
-so names and shapes need not travel. Flower moves every record, Array and chunk of a message as
-a separate object, one request each way (signed and verified under node authentication), and a
-request costs the SuperNode and the SuperLink far more than the bytes it carries at these
-sizes. A model that fits in one of Flower's array chunks (5 MiB: the CNN, not ResNet-18) is
-therefore the ``bytes`` value ``packed`` of a ConfigRecord (one object); a larger one is an
-ArrayRecord with one Array ``packed`` (Flower's own chunking, 3 objects and up). Counting the
-message and its config record, the CNN's six named tensors made a one-model train message 16
-objects and a four-candidate one 55; packed they are 4 and 7. Named ArrayRecords are still
-read.
+Every model travels packed (:func:`pack`): its tensors in state-dict order as one
+little-endian float32 vector; both ends know the model, so names and shapes need not travel.
+Flower moves every record, Array and chunk of a message as a separate object, one request each
+way (signed and verified under node authentication), and a request costs the SuperNode, the
+SuperLink and the ServerApp far more than the bytes it carries at these sizes. So a message is
+one record: a model that fits in one of Flower's array chunks (5 MiB: the CNN, not ResNet-18)
+is a ``bytes`` field of the message's ConfigRecord, next to the settings or metrics; a larger
+one is an ArrayRecord of its own under the model's name, with one Array ``packed`` (Flower's
+own chunking, 3 objects and up). Counting the message and its RecordDict, the CNN's six named
+tensors made a one-model train message 16 objects and a four-candidate one 55; a train
+message is now 3 objects, and so is its reply. Named ArrayRecords are still read.
 
 ``evaluate`` (server -> silo)
-    ``arrays``: the model the silo would use; ``config``: ``server-round``, ``cluster``
-  reply ``metrics``: ``num-examples``, ``test-loss``, ``test-accuracy``, ``cluster``,
-    ``epsilon-spent``
+    ``config``: ``server-round``, ``cluster``, and the model ``arrays`` the silo would use
+  reply ``metrics`` (MetricRecord): ``num-examples``, ``test-loss``, ``test-accuracy``,
+    ``cluster``, ``epsilon-spent``
 """
 
 from __future__ import annotations
@@ -81,20 +81,20 @@ def arrays_from_vector(vector: np.ndarray, layout: ModelLayout) -> ArrayRecord:
     return ArrayRecord({k: Array(v) for k, v in layout.unflatten(vector).items()})
 
 
-#: A model on the wire: a ConfigRecord holding its packed bytes, or (above one chunk, and
-#: from named senders) an ArrayRecord.
-WireModel = ArrayRecord | ConfigRecord
+#: A model on the wire: its packed bytes (a field of the message's ConfigRecord), or (above one
+#: chunk, and from named senders) an ArrayRecord of its own.
+WireModel = bytes | ArrayRecord
 
 #: Byte order and type of a packed model, fixed by the protocol (bytes carry no dtype).
 WIRE_DTYPE = np.dtype("<f4")
 
 
 def pack(vector: np.ndarray) -> WireModel:
-    """A model's flat vector as the record messages carry: one object while it fits in one of
-    Flower's array chunks, Flower's chunked Array above that."""
+    """A model's flat vector as messages carry it: bytes while it fits in one of Flower's array
+    chunks, Flower's chunked Array in a record of its own above that."""
     data = np.ascontiguousarray(vector, dtype=WIRE_DTYPE)
     if data.nbytes <= FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE:
-        return ConfigRecord({PACKED: data.tobytes()})
+        return data.tobytes()
     return ArrayRecord({PACKED: Array(data)})
 
 
@@ -102,51 +102,68 @@ def pack_state(state: Mapping[str, torch.Tensor]) -> WireModel:
     return pack(torch.cat([t.detach().reshape(-1).float() for t in state.values()]).numpy())
 
 
+def one_record(key: str, fields: Mapping[str, Any],
+               models: Mapping[str, WireModel] | None = None) -> RecordDict:
+    """A message's content: ``fields`` and the packed ``models`` in one ConfigRecord ``key``
+    (one object for Flower to move); a model too large for that in an ArrayRecord of its own
+    under its name."""
+    record: dict[str, Any] = dict(fields)
+    content = RecordDict()
+    for name, model in (models or {}).items():
+        if name in record:
+            raise ValueError(f"model {name!r} would overwrite a field of the {key!r} record")
+        if isinstance(model, bytes):
+            record[name] = model
+        else:
+            content[name] = model
+    content[key] = ConfigRecord(record)
+    return content
+
+
 def model_records(content: RecordDict) -> dict[str, WireModel]:
-    """The models a message carries, by key: every ArrayRecord and every packed ConfigRecord
-    (the ``config`` record and other settings are not models)."""
-    return {key: record for key, record in content.items()
-            if isinstance(record, ArrayRecord)
-            or (isinstance(record, ConfigRecord) and list(record.keys()) == [PACKED])}
+    """The models a message carries, by name: the bytes fields of its ConfigRecords and its
+    ArrayRecords."""
+    models: dict[str, WireModel] = {}
+    for key, record in content.items():
+        if isinstance(record, ArrayRecord):
+            models[key] = record
+        elif isinstance(record, ConfigRecord):
+            models.update((name, value) for name, value in record.items()
+                          if isinstance(value, bytes))
+    return models
 
 
-def _packed_vector(record: WireModel, size: int) -> np.ndarray | None:
-    """The vector of a packed record (checked against the model's size), None if named."""
-    if list(record.keys()) != [PACKED]:
-        return None
-    value = record[PACKED]
-    if isinstance(value, Array):
-        vector = value.numpy().reshape(-1)
-    elif isinstance(value, bytes):
-        if len(value) % WIRE_DTYPE.itemsize:
-            raise ValueError(f"packed model must be float32 bytes, got {len(value)} bytes")
-        vector = np.frombuffer(value, dtype=WIRE_DTYPE).astype(np.float32)  # writable, native
+def _packed_vector(model: WireModel, size: int) -> np.ndarray | ArrayRecord:
+    """The vector of a packed model (checked against the model's size), or the record of a
+    named one."""
+    if isinstance(model, bytes):
+        if len(model) % WIRE_DTYPE.itemsize:
+            raise ValueError(f"packed model must be float32 bytes, got {len(model)} bytes")
+        vector = np.frombuffer(model, dtype=WIRE_DTYPE).astype(np.float32)  # writable, native
+    elif isinstance(model, ArrayRecord):
+        if list(model.keys()) != [PACKED]:
+            return model
+        vector = model[PACKED].numpy().reshape(-1)
     else:
-        raise ValueError(f"packed model must be float32 bytes or an Array, got a "
-                         f"{type(value).__name__}")
+        raise ValueError(f"a model must be packed float32 bytes or an ArrayRecord, got a "
+                         f"{type(model).__name__}")
     if vector.shape[0] != size:
         raise ValueError(f"packed model has {vector.shape[0]} values, the model {size}")
     return vector
 
 
-def unpack_state(record: WireModel, template: Mapping[str, torch.Tensor]
+def unpack_state(model: WireModel, template: Mapping[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
     """Tensors named and shaped as ``template`` (a state dict of the same model)."""
     size = sum(t.numel() for t in template.values())
-    vector = _packed_vector(record, size)
-    if vector is None:
-        return _named(record).to_torch_state_dict()
+    vector = _packed_vector(model, size)
+    if isinstance(vector, ArrayRecord):
+        return vector.to_torch_state_dict()
     flat, out, start = torch.from_numpy(vector.copy()), {}, 0
     for name, like in template.items():
         out[name] = flat[start:start + like.numel()].reshape(like.shape).to(like.dtype)
         start += like.numel()
     return out
-
-
-def _named(record: WireModel) -> ArrayRecord:
-    if not isinstance(record, ArrayRecord):
-        raise ValueError(f"a model record holds {sorted(record.keys())}, not a packed model")
-    return record
 
 
 class ModelLayout:
@@ -164,11 +181,10 @@ class ModelLayout:
         arrays = record.to_numpy_ndarrays()
         return cls(list(record.keys()), [a.shape for a in arrays])
 
-    def flatten(self, record: WireModel) -> np.ndarray:
-        packed = _packed_vector(record, self.size)
-        if packed is not None:
-            return packed.astype(np.float32, copy=False)
-        record = _named(record)
+    def flatten(self, model: WireModel) -> np.ndarray:
+        record = _packed_vector(model, self.size)
+        if not isinstance(record, ArrayRecord):
+            return record.astype(np.float32, copy=False)
         if list(record.keys()) != self.names:
             raise ValueError("array record does not have the model's tensors")
         return np.concatenate(
@@ -211,8 +227,13 @@ def config_of(message: Message) -> ConfigRecord:
     return message.content.config_records[CONFIG]
 
 
-def metrics_of(message: Message, key: str = METRICS) -> MetricRecord:
-    return message.content.metric_records[key]
+def metrics_of(message: Message, key: str = METRICS) -> Mapping[str, Any]:
+    """A reply's record of numbers: a MetricRecord, or the ConfigRecord of a train reply (it
+    also carries the update)."""
+    record = message.content[key]
+    if not isinstance(record, ConfigRecord | MetricRecord):
+        raise ValueError(f"the reply's {key!r} is a {type(record).__name__}, not numbers")
+    return record
 
 
 def reply(message: Message, content: RecordDict) -> Message:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 
 from dpcfl_flwr.protocol import (
     ARRAYS,
@@ -13,8 +13,11 @@ from dpcfl_flwr.protocol import (
     SILO,
     UPDATE,
     ModelLayout,
+    WireModel,
     cluster_key,
     model_records,
+    one_record,
+    pack,
 )
 from dpcfl_flwr.strategies.base import INITIAL
 
@@ -34,22 +37,22 @@ class ScriptedSilo:
     def __call__(self, message: Message) -> Message:
         kind = message.metadata.message_type
         if kind == "query":
-            return self._reply(message, {SILO: MetricRecord({
+            return self._reply(message, RecordDict({SILO: MetricRecord({
                 "partition-id": self.partition, "true-cluster": TRUTH[self.partition],
                 "num-train": 100, "epsilon-budget": 10.0, "delta": 1e-4,
-                "epsilon-spent": 0.0})})
+                "epsilon-spent": 0.0})}))
         config = message.content.config_records["config"]
         if kind == "evaluate":
             own = self._score(model_records(message.content).get(ARRAYS))
-            return self._reply(message, {METRICS: MetricRecord({
+            return self._reply(message, RecordDict({METRICS: MetricRecord({
                 "test-accuracy": float(own), "test-loss": 1.0, "num-examples": 10,
-                "epsilon-spent": 1.0, "cluster": int(config["cluster"])})})
+                "epsilon-spent": 1.0, "cluster": int(config["cluster"])})}))
         return self._train(message, int(config["cluster"]))
 
-    def _score(self, record: ArrayRecord | None) -> int:
-        if record is None:  # evaluating its own model (Local)
+    def _score(self, model: WireModel | None) -> int:
+        if model is None:  # evaluating its own model (Local)
             return 1
-        vector = self.layout.flatten(record)
+        vector = self.layout.flatten(model)
         return int(np.argmax(vector[:3]) == TRUTH[self.partition])
 
     def _train(self, message: Message, cluster: int) -> Message:
@@ -66,19 +69,15 @@ class ScriptedSilo:
                 0, 0.01, self.layout.size).astype(np.float32)
         else:
             update[TRUTH[self.partition]] = 1.0
-        reply: dict = {METRICS: MetricRecord({
-            "cluster": cluster, "selected": int(selected), "num-examples": 100, "val-loss": 1.0,
-            "val-accuracy": 0.5, "epsilon-spent": 1.0, "noise-multiplier": 1.2})}
-        if not int(message.content.config_records["config"]["personal"]):
-            reply[UPDATE] = ArrayRecord(dict(zip(self.layout.names, self._arrays(update),
-                                                 strict=True)))
-        elif cluster == OWN:
-            assert ARRAYS not in records  # Local: no weights reach the silo after round 1
-        return self._reply(message, reply)
-
-    def _arrays(self, vector: np.ndarray) -> list[Array]:
-        return [Array(v) for v in self.layout.unflatten(vector).values()]
+        metrics = {"cluster": cluster, "selected": int(selected), "num-examples": 100,
+                   "val-loss": 1.0, "val-accuracy": 0.5, "epsilon-spent": 1.0,
+                   "noise-multiplier": 1.2}
+        if int(message.content.config_records["config"]["personal"]):
+            if cluster == OWN:
+                assert ARRAYS not in records  # Local: no weights reach the silo after round 1
+            return self._reply(message, one_record(METRICS, metrics))
+        return self._reply(message, one_record(METRICS, metrics, {UPDATE: pack(update)}))
 
     @staticmethod
-    def _reply(message: Message, records: dict) -> Message:
-        return Message(RecordDict(records), reply_to=message)
+    def _reply(message: Message, content: RecordDict) -> Message:
+        return Message(content, reply_to=message)

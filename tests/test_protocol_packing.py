@@ -1,5 +1,5 @@
-"""Models travel packed (one record, one object while they fit in a chunk): fewer Flower
-objects per message, same weights."""
+"""Models travel packed, inside the message's one record while they fit in a chunk: fewer
+Flower objects per message, same weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.protocol import PACKED, ModelLayout, model_records, pack, pack_state, unpack_state
+from dpcfl_flwr.protocol import (
+    PACKED,
+    ModelLayout,
+    model_records,
+    one_record,
+    pack,
+    pack_state,
+    unpack_state,
+)
 
 
 def cnn_state() -> dict[str, torch.Tensor]:
@@ -53,16 +61,29 @@ def test_named_records_still_unpack() -> None:
 def test_packing_cuts_the_objects_flower_moves_per_message() -> None:
     # Flower pushes and pulls every record, Array and ArrayChunk as its own object (one
     # request each, signed and verified with node authentication): 4 candidate CNNs as named
-    # tensors are 53 objects below the message, packed 5.
+    # tensors next to the config are 54 objects below the message; packed into the config, 2
+    # (the RecordDict and its one record), however many models it carries.
     state = cnn_state()
     named = RecordDict({f"cluster-{m}": ArrayRecord({k: Array(v.numpy() + m)
                                                      for k, v in state.items()})
                         for m in range(4)})
-    packed = RecordDict({f"cluster-{m}": pack_state({k: v + m for k, v in state.items()})
+    named["config"] = ConfigRecord({"server-round": 3})
+    packed = one_record("config", {"server-round": 3},
+                        {f"cluster-{m}": pack_state({k: v + m for k, v in state.items()})
                          for m in range(4)})
-    assert len(get_all_nested_objects(named)) == 53
-    assert len(get_all_nested_objects(packed)) == 5
+    assert len(get_all_nested_objects(named)) == 54
+    assert len(get_all_nested_objects(packed)) == 2
+    assert list(packed) == ["config"]
+    assert packed["config"]["server-round"] == 3
     assert sorted(model_records(packed)) == [f"cluster-{m}" for m in range(4)]
+    for m in range(4):
+        back = unpack_state(model_records(packed)[f"cluster-{m}"], state)
+        assert all(torch.equal(back[k], state[k] + m) for k in state)
+
+
+def test_a_model_may_not_take_the_place_of_a_setting() -> None:
+    with pytest.raises(ValueError, match="'cluster'.*'config'"):
+        one_record("config", {"cluster": 1}, {"cluster": pack(np.zeros(3, np.float32))})
 
 
 def test_a_model_larger_than_one_chunk_travels_as_flowers_chunked_array() -> None:
@@ -71,26 +92,30 @@ def test_a_model_larger_than_one_chunk_travels_as_flowers_chunked_array() -> Non
     assert isinstance(record, ArrayRecord)
     assert len(record[PACKED].children or {}) == 2  # Flower cut it into two chunks
     np.testing.assert_array_equal(ModelLayout(["w"], [big.shape]).flatten(record), big)
+    content = one_record("metrics", {"num-examples": 5}, {"update": record})
+    assert content["update"] is record and dict(content["metrics"]) == {"num-examples": 5}
+    assert model_records(content) == {"update": record}
     small = pack(big[:FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE // 4])
-    assert isinstance(small, ConfigRecord) and not small.children
+    assert isinstance(small, bytes)
+    assert list(one_record("metrics", {}, {"update": small})) == ["metrics"]
 
 
 def test_packed_bytes_are_little_endian_float32_whatever_the_sender_held() -> None:
     vector = np.linspace(-1, 1, 28938)
-    record = pack(vector.astype(">f8"))  # big-endian doubles in
-    assert record[PACKED] == vector.astype("<f4").tobytes()
+    packed = pack(vector.astype(">f8"))  # big-endian doubles in
+    assert packed == vector.astype("<f4").tobytes()
     layout = ModelLayout.of(ArrayRecord({k: Array(v.numpy()) for k, v in cnn_state().items()}))
-    out = layout.flatten(record)
+    out = layout.flatten(packed)
     np.testing.assert_array_equal(out, vector.astype(np.float32))
     out += 1  # the server aggregates in place: a writable copy, not a view of the message
-    assert layout.flatten(record)[0] == np.float32(-1)
+    assert layout.flatten(packed)[0] == np.float32(-1)
 
 
 def test_bytes_that_are_not_a_float32_vector_are_refused() -> None:
     state = cnn_state()
     with pytest.raises(ValueError, match="float32 bytes"):
-        unpack_state(ConfigRecord({PACKED: b"\x00" * 7}), state)
-    with pytest.raises(ValueError, match="float32 bytes or an Array, got a list"):
-        unpack_state(ConfigRecord({PACKED: [0.0] * 28938}), state)
-    with pytest.raises(ValueError, match="not a packed model"):
-        unpack_state(ConfigRecord({"weights": b"\x00" * 8}), state)
+        unpack_state(b"\x00" * 7, state)
+    with pytest.raises(ValueError, match="float32 bytes or an ArrayRecord, got a list"):
+        unpack_state([0.0] * 28938, state)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="float32 bytes or an ArrayRecord, got a ConfigRecord"):
+        unpack_state(ConfigRecord({PACKED: b"\x00" * 8}), state)  # type: ignore[arg-type]

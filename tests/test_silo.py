@@ -21,6 +21,7 @@ from dpcfl_flwr.protocol import (
     UPDATE,
     ModelLayout,
     cluster_key,
+    metrics_of,
     model_records,
 )
 from dpcfl_flwr.server_app import initial_arrays
@@ -139,7 +140,8 @@ def test_client_app_trains_charges_selects_and_refuses(server_task_identity, exp
     model = initial_arrays(experiment)
     first = client_app(_message(_train_content(experiment, 1, -2, [model]), "train", 501),
                        context)
-    metrics = first.content.metric_records[METRICS]
+    metrics = metrics_of(first)
+    assert list(first.content) == [METRICS]  # the update travels inside the one record
     update = ModelLayout.of(model).flatten(model_records(first.content)[UPDATE])
     assert np.abs(update).sum() > 0
     ledger = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
@@ -148,7 +150,7 @@ def test_client_app_trains_charges_selects_and_refuses(server_task_identity, exp
         Silo(parse_node_config({"partition-id": 1}), experiment, 11).budget))
     second = client_app(_message(_train_content(experiment, 2, SELECT, [model, model]),
                                  "train", 501), context)
-    assert second.content.metric_records[METRICS]["selected"] == 1
+    assert metrics_of(second)["selected"] == 1
     ledger = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
     assert [e.kind for e in ledger.entries] == ["gaussian", "selection", "gaussian"]
     # An earlier run's history pushes this silo over its budget: it must refuse, not train.

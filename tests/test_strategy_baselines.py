@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import MetricRecord
+from flwr.app import MetricRecord, RecordDict
 
 from dpcfl_flwr.config import parse_run_config
 from dpcfl_flwr.models import build_model
@@ -19,7 +19,9 @@ from dpcfl_flwr.protocol import (
     UPDATE,
     ModelLayout,
     cluster_key,
+    metrics_of,
     model_records,
+    one_record,
     pack,
 )
 from dpcfl_flwr.server_app import initial_arrays
@@ -191,15 +193,15 @@ class SiloSendingBadReplies(ScriptedSilo):
         server_round = int(message.content.config_records["config"]["server-round"])
         if self.partition != 0 or server_round not in (3, 4, 5):
             return reply
-        metrics = dict(reply.content.metric_records[METRICS])
-        update = self.layout.flatten(model_records(reply.content)[UPDATE])
+        metrics = dict(metrics_of(reply))
+        update = self.layout.flatten(metrics.pop(UPDATE))
         if server_round == 3:
             update[5] = np.nan
         elif server_round == 4:
             metrics["cluster"] = 7
         else:
             del metrics["epsilon-spent"]
-        return self._reply(message, {METRICS: MetricRecord(metrics), UPDATE: pack(update)})
+        return self._reply(message, one_record(METRICS, metrics, {UPDATE: pack(update)}))
 
 
 def test_a_reply_the_server_cannot_use_costs_that_silo_its_round_not_the_run(
@@ -224,7 +226,7 @@ class SiloDescribingItselfBadly(ScriptedSilo):
             return reply
         described = dict(reply.content.metric_records[SILO])
         del described["num-train"]
-        return self._reply(message, {SILO: MetricRecord(described)})
+        return self._reply(message, RecordDict({SILO: MetricRecord(described)}))
 
 
 def test_a_silo_the_server_cannot_register_is_left_out_not_the_run(server_task_identity,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -40,6 +40,7 @@ from ..protocol import (
     metrics_of,
     model_records,
     number,
+    one_record,
     pack,
 )
 from ..silo import Schedule
@@ -107,7 +108,7 @@ class TrainReply:
 
 
 def _reply_numbers(message: Message, keys: tuple[str, ...],
-                   record: str = METRICS) -> tuple[MetricRecord, list[float]]:
+                   record: str = METRICS) -> tuple[Mapping[str, Any], list[float]]:
     """A reply's metric record ``record`` and its fields ``keys`` as numbers; ValueError naming
     what is missing or not a number."""
     try:
@@ -170,8 +171,8 @@ class ClusteredStrategy(Strategy):
         """The cluster model silo ``partition`` would use now (what it is evaluated on)."""
         raise NotImplementedError
 
-    def extra_records(self, server_round: int, partition: int) -> dict[str, Any]:
-        """Additional records of a silo's train message (MR-MTL's anchor)."""
+    def extra_models(self, server_round: int, partition: int) -> dict[str, WireModel]:
+        """Additional models of a silo's train message (MR-MTL's anchor)."""
         return {}
 
     # --- helpers ------------------------------------------------------------------------------
@@ -216,14 +217,13 @@ class ClusteredStrategy(Strategy):
     def _train_messages(self, server_round: int) -> dict[int, Message]:
         messages = {}
         for partition, cluster in self.assign(server_round, self.active_partitions()).items():
-            content = RecordDict({CONFIG: ConfigRecord(self.train_config(server_round, cluster))})
+            models: dict[str, WireModel] = {}
             if cluster == SELECT:
-                for m in range(self.n_clusters):
-                    content[cluster_key(m)] = self._record(m)
+                models.update((cluster_key(m), self._record(m)) for m in range(self.n_clusters))
             elif (record := self.model_record(cluster)) is not None:
-                content[ARRAYS] = record
-            for key, record in self.extra_records(server_round, partition).items():
-                content[key] = record
+                models[ARRAYS] = record
+            models.update(self.extra_models(server_round, partition))
+            content = one_record(CONFIG, self.train_config(server_round, cluster), models)
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="train", ttl=self._ttl())
         return messages
@@ -244,11 +244,9 @@ class ClusteredStrategy(Strategy):
         messages = {}
         for partition in sorted(self.silos):
             cluster = self.current_cluster(partition)
-            content = RecordDict({
-                CONFIG: ConfigRecord({"server-round": server_round, "cluster": cluster}),
-            })
-            if (record := self.model_record(cluster)) is not None:
-                content[ARRAYS] = record
+            record = self.model_record(cluster)
+            content = one_record(CONFIG, {"server-round": server_round, "cluster": cluster},
+                                 {ARRAYS: record} if record is not None else None)
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="evaluate", ttl=self._ttl())
         return messages

@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ..config import ExperimentConfig
-from ..protocol import ANCHOR, pack
+from ..protocol import ANCHOR, WireModel, pack
 from .base import ClusteredStrategy, RunObserver
 
 
@@ -53,7 +53,7 @@ class MRMTL(ClusteredStrategy):
                 "prox-lambda": self.experiment.mrmtl_lambda,
                 "prox-variant": self.experiment.mrmtl_variant}
 
-    def extra_records(self, server_round: int, partition: int) -> dict[str, Any]:
+    def extra_models(self, server_round: int, partition: int) -> dict[str, WireModel]:
         return {ANCHOR: pack(self.anchor())}
 
     def results(self) -> dict[str, Any]:
