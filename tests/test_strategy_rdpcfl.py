@@ -85,6 +85,7 @@ def test_select_window_sends_all_models_and_then_freezes_the_choice(run):
             records = model_records(message.content)
             assert int(message.content.config_records["config"]["cluster"]) == SELECT
             assert sorted(records) == [cluster_key(m) for m in range(3)]
+            assert list(message.content) == ["config"]  # three models, still one record
     for server_round in (8, 9, 10):
         for partition, message in _train_messages(grid, server_round).items():
             config = message.content.config_records["config"]

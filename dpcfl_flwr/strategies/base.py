@@ -315,7 +315,8 @@ class ClusteredStrategy(Strategy):
             raise ValueError(f"it trained cluster {cluster}, this run has {self.n_clusters}")
         if update is not None and not np.isfinite(update).all():
             raise ValueError("its update has non-finite values")
-        return TrainReply(cluster, update, dict(metrics))
+        fields = {k: v for k, v in metrics.items() if not isinstance(v, bytes)}  # not the update
+        return TrainReply(cluster, update, fields)
 
     def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
                    refused: list[int]) -> None:
