@@ -6,14 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
     PACKED,
     ModelLayout,
+    metrics_of,
     model_records,
     one_record,
     pack,
@@ -119,3 +121,23 @@ def test_bytes_that_are_not_a_float32_vector_are_refused() -> None:
         unpack_state([0.0] * 28938, state)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="float32 bytes or an ArrayRecord, got a ConfigRecord"):
         unpack_state(ConfigRecord({PACKED: b"\x00" * 8}), state)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size, objects",
+                         [(28938, 3), (FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE // 4 + 10, 7)])
+def test_a_reply_survives_flowers_own_serialisation(server_task_identity, size, objects):
+    # What Flower moves: every nested object deflated to bytes, then inflated on the other
+    # side. The CNN's reply is the message, its RecordDict and the one record; a model above
+    # one chunk adds its ArrayRecord, the Array and two chunks.
+    vector = np.random.default_rng(size).normal(size=size).astype(np.float32)
+    sent = Message(one_record("metrics", {"num-examples": 3, "val-accuracy": 0.5},
+                              {"update": pack(vector)}), dst_node_id=5, message_type="train")
+    nested = get_all_nested_objects(sent)
+    assert len(nested) == objects
+    received = inflate_object_from_contents(
+        sent.object_id, {key: obj.deflate() for key, obj in nested.items()},
+        keep_object_contents=False)
+    assert isinstance(received, Message)
+    update = model_records(received.content)["update"]
+    np.testing.assert_array_equal(ModelLayout(["w"], [(size,)]).flatten(update), vector)
+    assert metrics_of(received)["val-accuracy"] == 0.5
