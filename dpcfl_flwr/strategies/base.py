@@ -109,8 +109,8 @@ class TrainReply:
 
 def _reply_numbers(message: Message, keys: tuple[str, ...],
                    record: str = METRICS) -> tuple[Mapping[str, Any], list[float]]:
-    """A reply's metric record ``record`` and its fields ``keys`` as numbers; ValueError naming
-    what is missing or not a number."""
+    """A reply's record of numbers ``record`` (see :func:`~..protocol.metrics_of`) and its
+    fields ``keys`` as numbers; ValueError naming what is missing or not a number."""
     try:
         metrics = metrics_of(message, record)
         return metrics, [number(metrics, key) for key in keys]
