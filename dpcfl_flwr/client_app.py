@@ -128,7 +128,7 @@ def train(message: Message, context: Context) -> Message:
         cluster = silo.select(candidates, plan, server_round)
         start = candidates[cluster]
     else:
-        start = _received_or_own(message, context, silo)
+        start = _received_or_own(records, context, silo)
     prox = None
     if ANCHOR in records and str(config.get("prox-variant", "correct")) == "correct":
         prox = (number(config, "prox-lambda"), _state(records[ANCHOR], silo))
@@ -148,10 +148,10 @@ def train(message: Message, context: Context) -> Message:
     return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(update)}))
 
 
-def _received_or_own(message: Message, context: Context,
+def _received_or_own(records: dict[str, WireModel], context: Context,
                      silo: Silo) -> dict[str, torch.Tensor]:
-    """The weights the server sent, or the silo's own model when it sent none (Local)."""
-    records = model_records(message.content)
+    """The weights the server sent (``records``: the message's models), or the silo's own
+    model when it sent none (Local)."""
     if ARRAYS in records:
         return _state(records[ARRAYS], silo)
     if OWN_MODEL in context.state.array_records:
@@ -165,6 +165,6 @@ def _received_or_own(message: Message, context: Context,
 def evaluate(message: Message, context: Context) -> Message:
     silo = _open_silo(context)
     config = config_of(message)
-    metrics = silo.test(_received_or_own(message, context, silo))
+    metrics = silo.test(_received_or_own(model_records(message.content), context, silo))
     metrics.update({"cluster": integer(config, "cluster"), "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -118,6 +119,12 @@ def _reply_numbers(message: Message, keys: tuple[str, ...],
         raise ValueError(f"no {exc} in the reply") from exc
 
 
+def _to_send(model: WireModel | None, cluster: int) -> WireModel:
+    if model is None:
+        raise ValueError(f"cluster {cluster} has no model to send")
+    return model
+
+
 # what a silo says of itself when queried, in SiloInfo's order
 SILO_FIELDS = ("partition-id", "true-cluster", "num-train", "epsilon-budget", "delta",
                "epsilon-spent")
@@ -171,8 +178,8 @@ class ClusteredStrategy(Strategy):
         """The cluster model silo ``partition`` would use now (what it is evaluated on)."""
         raise NotImplementedError
 
-    def extra_models(self, server_round: int, partition: int) -> dict[str, WireModel]:
-        """Additional models of a silo's train message (MR-MTL's anchor)."""
+    def extra_models(self, server_round: int) -> dict[str, WireModel]:
+        """Additional models of every train message of a round (MR-MTL's anchor)."""
         return {}
 
     # --- helpers ------------------------------------------------------------------------------
@@ -203,27 +210,24 @@ class ClusteredStrategy(Strategy):
         (and spend budget on) a round the server stopped waiting for."""
         return self.experiment.round_timeout + 5.0
 
-    def _record(self, cluster: int) -> WireModel:
-        record = self.model_record(cluster)
-        if record is None:
-            raise ValueError(f"cluster {cluster} has no model to send")
-        return record
-
     # --- Flower Strategy API ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         return self._train_messages(server_round).values()
 
     def _train_messages(self, server_round: int) -> dict[int, Message]:
+        assignment = self.assign(server_round, self.active_partitions())
+        packed = cache(self.model_record)  # each model packed once a round, its bytes shared
+        extra = self.extra_models(server_round)  # after assign: it may size the models
         messages = {}
-        for partition, cluster in self.assign(server_round, self.active_partitions()).items():
-            models: dict[str, WireModel] = {}
+        for partition, cluster in assignment.items():
             if cluster == SELECT:
-                models.update((cluster_key(m), self._record(m)) for m in range(self.n_clusters))
-            elif (record := self.model_record(cluster)) is not None:
-                models[ARRAYS] = record
-            models.update(self.extra_models(server_round, partition))
-            content = one_record(CONFIG, self.train_config(server_round, cluster), models)
+                models = {cluster_key(m): _to_send(packed(m), m) for m in range(self.n_clusters)}
+            else:
+                model = packed(cluster)
+                models = {} if model is None else {ARRAYS: model}
+            content = one_record(CONFIG, self.train_config(server_round, cluster),
+                                 {**models, **extra})
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="train", ttl=self._ttl())
         return messages
@@ -241,12 +245,13 @@ class ClusteredStrategy(Strategy):
         return self._evaluate_messages(server_round).values()
 
     def _evaluate_messages(self, server_round: int) -> dict[int, Message]:
+        packed = cache(self.model_record)
         messages = {}
         for partition in sorted(self.silos):
             cluster = self.current_cluster(partition)
-            record = self.model_record(cluster)
+            model = packed(cluster)
             content = one_record(CONFIG, {"server-round": server_round, "cluster": cluster},
-                                 {ARRAYS: record} if record is not None else None)
+                                 {} if model is None else {ARRAYS: model})
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="evaluate", ttl=self._ttl())
         return messages

@@ -53,7 +53,7 @@ class MRMTL(ClusteredStrategy):
                 "prox-lambda": self.experiment.mrmtl_lambda,
                 "prox-variant": self.experiment.mrmtl_variant}
 
-    def extra_models(self, server_round: int, partition: int) -> dict[str, WireModel]:
+    def extra_models(self, server_round: int) -> dict[str, WireModel]:
         return {ANCHOR: pack(self.anchor())}
 
     def results(self) -> dict[str, Any]:
