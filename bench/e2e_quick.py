@@ -42,8 +42,9 @@ def main() -> None:
         overrides[key] = value
     rows, walls, means, minorities = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in (int(s) for s in args.seeds.split(",")):
-            wall, results = simulate_quick(Path(tmp) / f"seed{seed}", **overrides,
+        # A seed may repeat (DP noise is fresh in every run); each run gets its own directory.
+        for index, seed in enumerate(int(s) for s in args.seeds.split(",")):
+            wall, results = simulate_quick(Path(tmp) / f"run{index}-seed{seed}", **overrides,
                                           seed=seed)
             summary, clustering = results["summary"], results["clustering"]
             walls.append(wall)

@@ -135,6 +135,7 @@ def probe(
     n_clusters: int = typer.Option(4, help="M; 0 = choose by maximum MSS over 2..10."),
     seed: int = typer.Option(0), threads: int = typer.Option(1, min=1),
     pca_components: int = typer.Option(0, min=0, help="0: M - 1 axes (>= 2); 2: the authors'."),
+    draw: str = typer.Option("authors", help="authors | per-client: which records a client gets."),
     out: Path = typer.Option(Path("results/probe"), help="Directory for probe.json + plot."),
 ) -> None:
     """Round 1 only: do the clients' DP updates reveal their clusters? (Fig. 5, RQ5)"""
@@ -144,7 +145,7 @@ def probe(
     configure_threads(threads)
     settings = ProbeSettings(dataset, data_dir, clusters, shift, model, samples, epsilon, delta,
                              rounds, batch, _parse_first_batch(first_batch), max(rounds // 10, 1),
-                             lr, clip, n_clusters or None, seed, pca_components)
+                             lr, clip, n_clusters or None, seed, pca_components, draw)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("round-1 DP-SGD per client", total=sum(
             int(c) for c in clusters.split(",")))

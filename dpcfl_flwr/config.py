@@ -43,6 +43,9 @@ class ExperimentConfig(_Config):
     samples_per_client: int = Field(500, ge=2)
     val_fraction: float = Field(0.25, gt=0.0, le=1.0)
     test_samples: int = Field(0, ge=0, description="0: the dataset's default (|test| / 6)")
+    # "authors": seed s gives every silo the records the authors' code gives it with --seed s,
+    # so a run can be set beside theirs; "per-client": each silo's draw seeded on its own
+    data_draw: Literal["per-client", "authors"] = "authors"
     model: Literal["cnn", "resnet18"] = "cnn"
     # training schedule (spec §2.1)
     num_server_rounds: int = Field(30, ge=1)

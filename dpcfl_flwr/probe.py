@@ -40,6 +40,7 @@ class ProbeSettings:
     n_clusters: int | None = 4
     seed: int = 0
     pca_components: int = 0  # 0: M - 1 (at least 2); 2: the authors' projection
+    draw: str = "authors"  # which records each client gets (dpcfl_flwr.data.DRAWS)
 
 
 def run_probe(settings: ProbeSettings, out_dir: Path, progress: Any = None) -> dict[str, Any]:
@@ -48,7 +49,8 @@ def run_probe(settings: ProbeSettings, out_dir: Path, progress: Any = None) -> d
     train, test = load_dataset(settings.dataset, settings.data_dir)
     clients = [
         make_client_data(train, test, i, topology, settings.shift, settings.samples,
-                         seed=settings.seed, test_samples=1, dataset=settings.dataset)
+                         seed=settings.seed, test_samples=1, dataset=settings.dataset,
+                         draw=settings.draw)
         for i in range(topology.num_clients)
     ]
     schedule = two_stage_schedule(settings.samples, settings.batch, 1, settings.rounds,

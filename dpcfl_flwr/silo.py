@@ -86,13 +86,14 @@ class SiloPlan:
 
 @functools.lru_cache(maxsize=32)
 def _client_data(dataset: str, data_dir: str, clusters: str, shift: str, samples: int,
-                 seed: int, val_fraction: float, test_samples: int, partition: int) -> ClientData:
+                 seed: int, val_fraction: float, test_samples: int, draw: str,
+                 partition: int) -> ClientData:
     from .data import Topology
 
     train, test = load_dataset(dataset, data_dir or None)
     return make_client_data(train, test, partition, Topology.parse(clusters), shift, samples,
                             seed=seed, val_fraction=val_fraction,
-                            test_samples=test_samples or None, dataset=dataset)
+                            test_samples=test_samples or None, dataset=dataset, draw=draw)
 
 
 class Silo:
@@ -114,7 +115,7 @@ class Silo:
         e = self.experiment
         return _client_data(e.dataset, self.silo.data_dir or e.data_dir, e.clusters, e.shift,
                             e.samples_per_client, e.seed, e.val_fraction, e.test_samples,
-                            self.silo.partition_id)
+                            e.data_draw, self.silo.partition_id)
 
     @property
     def true_cluster(self) -> int:

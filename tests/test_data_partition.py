@@ -120,6 +120,43 @@ def test_train_and_val_are_disjoint_and_distinct() -> None:
         assert rows.train.max() < 1000 and rows.test.max() < 600
 
 
+def _authors_split_by_hand(seed: int, clients: int, train_size: int, test_size: int,
+                           per_client: int, num_test: int) -> list[tuple[list, list, list]]:
+    """The authors' procedure written out as they describe it: seed NumPy's global generator,
+    let every client in turn take a set of distinct rows, list the set, cut at 80%."""
+    np.random.seed(seed)
+    train_sets = [set(np.random.choice(list(range(train_size)), per_client, replace=False))
+                  for _ in range(clients)]
+    np.random.seed(seed)
+    test_sets = [set(np.random.choice(list(range(test_size)), num_test, replace=False))
+                 for _ in range(clients)]
+    split = []
+    for rows, test in zip(train_sets, test_sets, strict=True):
+        listed = list(rows)
+        cut = int(0.8 * len(listed))
+        split.append((listed[:cut], listed[cut:], list(test)))
+    return split
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_authors_draw_is_their_split_row_for_row(seed: int) -> None:
+    by_hand = _authors_split_by_hand(seed, 21, 6000, 1000, 625, 166)
+    for client_id, (train, val, test) in enumerate(by_hand):
+        rows = draw_indices(6000, 1000, client_id, seed, 500, test_samples=166, draw="authors")
+        assert rows.train.tolist() == [int(r) for r in train]
+        assert rows.val.tolist() == [int(r) for r in val]
+        assert rows.test.tolist() == [int(r) for r in test]
+
+
+def test_authors_draw_differs_from_the_per_client_draw_and_between_clients() -> None:
+    ours = draw_indices(60000, 10000, 4, 0, 500)
+    theirs = draw_indices(60000, 10000, 4, 0, 500, draw="authors")
+    neighbour = draw_indices(60000, 10000, 5, 0, 500, draw="authors")
+    assert len(np.intersect1d(ours.train, theirs.train)) < 50
+    assert len(np.intersect1d(theirs.train, neighbour.train)) < 50
+    assert len(np.union1d(theirs.train, theirs.val)) == 625
+
+
 def test_val_fraction_rounding() -> None:
     assert len(draw_indices(1000, 60, 0, 0, 100, val_fraction=0.15).val) == 15
     assert len(draw_indices(1000, 60, 0, 0, 100, val_fraction=0.0).val) == 0
@@ -264,6 +301,8 @@ def test_cifar_normalisation_maps_to_minus_one_one() -> None:
     ({"samples_per_client": 0}, "samples_per_client must be positive"),
     ({"val_fraction": -0.1}, "val_fraction"),
     ({"test_samples": -1}, "test_samples"),
+    ({"draw": "shuffled"}, "unknown draw 'shuffled'"),
+    ({"draw": "authors", "seed": 2**32}, "below 2\\*\\*32"),
 ])
 def test_clear_errors(kwargs: dict[str, object], message: str) -> None:
     arguments: dict[str, object] = {

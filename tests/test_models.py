@@ -39,6 +39,20 @@ def test_seeded_models_are_identical_and_do_not_touch_global_rng():
         assert torch.equal(va, vb)
 
 
+def test_seeded_cnn_is_the_first_draw_after_seeding_in_layer_order():
+    """theta_init of seed s is what a script gets by seeding torch with s and building the
+    paper's CNN first (conv 1, conv 2, linear, each weight then bias), as the authors' script
+    does; reordering the layers here would silently change every run's initial model."""
+    torch.manual_seed(7)
+    layers = [torch.nn.Conv2d(1, 16, 5, padding=2), torch.nn.Conv2d(16, 32, 5, padding=2),
+              torch.nn.Linear(32 * 7 * 7, 10)]
+    expected = [t for layer in layers for t in (layer.weight, layer.bias)]
+    ours = list(build_model("cnn", seed=7).parameters())
+    assert len(ours) == len(expected)
+    for a, b in zip(ours, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         build_model("vgg")

@@ -1,6 +1,7 @@
 """Datasets of the experiments: file readers and the paper's cluster-structured split (spec §6)."""
 
 from .partition import (
+    DRAWS,
     SHIFTS,
     ClientData,
     ClientIndices,
@@ -26,8 +27,8 @@ from .readers import (
 )
 
 __all__ = [
-    "DATASETS", "FASHION_MNIST_DEBIAN_DIR", "FASHION_MNIST_ENV_VAR", "SHIFTS", "ClientData",
-    "ClientIndices", "DataError", "ImageSet", "Topology", "draw_indices", "find_fashion_mnist",
-    "flip_labels", "load_cifar10", "load_dataset", "load_idx_dataset", "make_client_data",
-    "normalisation", "read_idx", "rotate_images", "rotation_degrees",
+    "DATASETS", "DRAWS", "FASHION_MNIST_DEBIAN_DIR", "FASHION_MNIST_ENV_VAR", "SHIFTS",
+    "ClientData", "ClientIndices", "DataError", "ImageSet", "Topology", "draw_indices",
+    "find_fashion_mnist", "flip_labels", "load_cifar10", "load_dataset", "load_idx_dataset",
+    "make_client_data", "normalisation", "read_idx", "rotate_images", "rotation_degrees",
 ]

@@ -8,9 +8,17 @@ client of cluster k sees the same kind of shift:
 * ``"label_flip"`` (concept shift, P_i(y|x) varies): each label y becomes (y + k) mod C.
 
 The shift applies to the client's train, validation and test data alike. Following the
-authors' code [CODE], each client independently draws
-int((1 + val_fraction) * N) distinct images from the official train set (clients may overlap),
-the first N to train and the rest to validate, and its own slice of the official test set.
+authors' code [CODE], each client draws int((1 + val_fraction) * N) distinct images from the
+official train set (clients may overlap), the first N to train and the rest to validate, and its
+own slice of the official test set. Two ways to draw them (``DRAWS``):
+
+* ``"per-client"``: each client's rows come from a generator seeded with (seed, client id), so a
+  silo draws its own rows without replaying anyone else's;
+* ``"authors"``: the draw of the authors' code, row for row. One legacy NumPy ``RandomState(seed)``
+  draws every client's rows in client order (and a second one, seeded alike, the test rows), and
+  a client's rows are listed in the order of a Python ``set`` of them, which decides which of them
+  train and which validate. With this draw, seed s gives every client the very records the
+  authors' code gives it with ``--seed s``, so a run can be set beside one of theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch.nn.functional as F
 from .readers import ImageSet
 
 SHIFTS = ("rotation", "label_flip")
+DRAWS = ("per-client", "authors")
 _NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     # [CODE]: MNIST statistics for both MNIST and Fashion-MNIST, 0.5/0.5 for CIFAR-10.
     "mnist": ((0.1307,), (0.3081,)),
@@ -223,15 +232,16 @@ def _prepare_images(
 
 def draw_indices(
     train_size: int, test_size: int, client_id: int, seed: int, samples_per_client: int,
-    val_fraction: float = 0.25, test_samples: int | None = None,
+    val_fraction: float = 0.25, test_samples: int | None = None, draw: str = "per-client",
 ) -> ClientIndices:
-    """The rows of the official sets one client gets; depends on (seed, client_id) only.
+    """The rows of the official sets one client gets; depends on (seed, client_id, draw) only.
 
     The client draws int((1 + val_fraction) * N) distinct train rows (the first N train, the
     rest validate) and then ``test_samples`` distinct test rows (default ``test_size // 6``,
-    1666 of 10,000 as in [CODE]; capped at ``test_size``).
+    1666 of 10,000 as in [CODE]; capped at ``test_size``). ``draw`` is one of ``DRAWS``
+    (module docstring).
     """
-    _check_draw(client_id, seed, samples_per_client, val_fraction, test_samples)
+    _check_draw(client_id, seed, samples_per_client, val_fraction, test_samples, draw)
     # The epsilon guards against float noise such as 1.15 * 100 = 114.99999999999999.
     total = int((1.0 + val_fraction) * samples_per_client + 1e-9)
     if total > train_size:
@@ -241,18 +251,41 @@ def draw_indices(
             f"{train_size}; lower samples_per_client or val_fraction"
         )
     num_test = min(test_size // 6 if test_samples is None else test_samples, test_size)
-    rng = np.random.default_rng([seed, client_id])
-    chosen = rng.choice(train_size, size=total, replace=False)
-    test = rng.choice(test_size, size=num_test, replace=False)
+    if draw == "authors":
+        chosen = _authors_rows(train_size, total, client_id, seed)
+        test = _authors_rows(test_size, num_test, client_id, seed)
+    else:
+        rng = np.random.default_rng([seed, client_id])
+        chosen = rng.choice(train_size, size=total, replace=False)
+        test = rng.choice(test_size, size=num_test, replace=False)
     return ClientIndices(
         train=chosen[:samples_per_client], val=chosen[samples_per_client:], test=test
     )
 
 
+def _authors_rows(size: int, count: int, client_id: int, seed: int) -> np.ndarray:
+    """Client ``client_id``'s ``count`` rows out of ``size`` in the authors' sequential draw.
+
+    One legacy ``RandomState(seed)`` draws ``count`` distinct rows for client 0, then client 1,
+    and so on; the client's rows are then listed in the iteration order of a Python set of
+    them, as the authors' split does before cutting it into train and validation rows.
+    Replaying the earlier clients' draws costs one permutation of ``size`` each.
+    """
+    state = np.random.RandomState(seed)
+    for _ in range(client_id):
+        state.choice(size, count, replace=False)
+    rows = state.choice(size, count, replace=False)
+    return np.array(list(set(rows.tolist())), dtype=np.int64)
+
+
 def _check_draw(
     client_id: int, seed: int, samples_per_client: int, val_fraction: float,
-    test_samples: int | None,
+    test_samples: int | None, draw: str,
 ) -> None:
+    if draw not in DRAWS:
+        raise ValueError(f"unknown draw {draw!r} (expected one of {', '.join(DRAWS)})")
+    if draw == "authors" and seed >= 2**32:
+        raise ValueError(f"the authors' draw needs a seed below 2**32, got {seed}")
     if client_id < 0:
         raise ValueError(f"client id must be non-negative, got {client_id}")
     if seed < 0:
@@ -281,19 +314,20 @@ def _shifted_split(
 def make_client_data(
     train: ImageSet, test: ImageSet, client_id: int, topology: Topology, shift: str,
     samples_per_client: int, seed: int, val_fraction: float = 0.25,
-    test_samples: int | None = None, dataset: str = "fmnist",
+    test_samples: int | None = None, dataset: str = "fmnist", draw: str = "per-client",
 ) -> ClientData:
     """Client ``client_id``'s data under ``shift`` in {"rotation", "label_flip"} (spec §6.1-6.2).
 
-    Deterministic from (seed, client_id) and independent of the other clients, so every
-    process can build any client's data on its own.
+    Deterministic from (seed, client_id, draw), so every process can build any client's data
+    on its own.
     """
     if shift not in SHIFTS:
         raise ValueError(f"unknown shift {shift!r} (expected one of {', '.join(SHIFTS)})")
     normalisation(dataset)  # fail on an unknown dataset before the sampling work
     cluster = topology.cluster_of(client_id)
     rows = draw_indices(
-        len(train), len(test), client_id, seed, samples_per_client, val_fraction, test_samples
+        len(train), len(test), client_id, seed, samples_per_client, val_fraction, test_samples,
+        draw,
     )
     m = topology.num_clusters
     x_train, y_train = _shifted_split(train, rows.train, cluster, m, shift, dataset)
