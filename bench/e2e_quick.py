@@ -82,11 +82,14 @@ def _seed_zero_line(runs: list[tuple[float, float]]) -> str:
     if not runs:
         return ""
     mean, minority = (100 * np.array(column) for column in zip(*runs, strict=True))
+
+    def spread(values: np.ndarray) -> str:
+        return f"{values.mean():.1f}" + (f" ± {values.std():.1f}" if len(values) > 1 else "")
+
     return (
         f"\n\nSeed 0 with the authors' split (the records and theta_init of their seed 0; "
-        f"{len(runs)} run{'s' if len(runs) > 1 else ''}): accuracy {mean.mean():.1f} ± "
-        f"{mean.std():.1f}% (reference run 60.6%), minority {minority.mean():.1f} ± "
-        f"{minority.std():.1f}% (reference run 61.5%).")
+        f"{len(runs)} run{'s' if len(runs) > 1 else ''}): accuracy {spread(mean)}% "
+        f"(reference run 60.6%), minority {spread(minority)}% (reference run 61.5%).")
 
 
 if __name__ == "__main__":
