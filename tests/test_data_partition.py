@@ -124,12 +124,16 @@ def _authors_split_by_hand(seed: int, clients: int, train_size: int, test_size: 
                            per_client: int, num_test: int) -> list[tuple[list, list, list]]:
     """The authors' procedure written out as they describe it: seed NumPy's global generator,
     let every client in turn take a set of distinct rows, list the set, cut at 80%."""
-    np.random.seed(seed)
-    train_sets = [set(np.random.choice(list(range(train_size)), per_client, replace=False))
-                  for _ in range(clients)]
-    np.random.seed(seed)
-    test_sets = [set(np.random.choice(list(range(test_size)), num_test, replace=False))
-                 for _ in range(clients)]
+    saved = np.random.get_state()  # the global generator is shared with other tests
+    try:
+        np.random.seed(seed)
+        train_sets = [set(np.random.choice(list(range(train_size)), per_client, replace=False))
+                      for _ in range(clients)]
+        np.random.seed(seed)
+        test_sets = [set(np.random.choice(list(range(test_size)), num_test, replace=False))
+                     for _ in range(clients)]
+    finally:
+        np.random.set_state(saved)
     split = []
     for rows, test in zip(train_sets, test_sets, strict=True):
         listed = list(rows)
