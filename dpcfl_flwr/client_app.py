@@ -1,13 +1,18 @@
 """The ClientApp: a silo's ``query``, ``train`` and ``evaluate`` handlers (thin Flower glue).
 
-Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo`. The ledger is saved to the
-silo's disk before a reply leaves; a round that would overspend is answered with an Error
-carrying :data:`~dpcfl_flwr.protocol.BUDGET_EXCEEDED` and the reason.
+Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo`. Every field of a message is
+validated first (:mod:`dpcfl_flwr.requests`; a bad one is answered with an Error carrying
+:data:`~dpcfl_flwr.protocol.BAD_REQUEST`, nothing charged); the budget check, the work and the
+charge run under the ledger's lock, and the ledger is on the silo's disk before a reply
+leaves; a round that would overspend is answered with an Error carrying
+:data:`~dpcfl_flwr.protocol.BUDGET_EXCEEDED` and the reason. Silo settings come from the node
+config alone, except in Flower's simulation engine (:func:`running_in_simulation`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,6 +26,7 @@ from .privacy import GaussianSteps, Selection
 from .protocol import (
     ANCHOR,
     ARRAYS,
+    BAD_REQUEST,
     BUDGET_EXCEEDED,
     METRICS,
     OWN_MODEL,
@@ -29,18 +35,15 @@ from .protocol import (
     SILO_FAILED,
     UPDATE,
     WireModel,
-    batch_of,
     cluster_key,
-    config_of,
-    integer,
     metric_record,
     model_records,
-    number,
     one_record,
     pack_state,
     reply,
     unpack_state,
 )
+from .requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo import BudgetExceeded, Schedule, Silo
 from .training import DPSGDConfig
 
@@ -51,16 +54,28 @@ app = ClientApp()
 _STATE = "privacy"
 
 
+def running_in_simulation() -> bool:
+    """Whether this ClientApp runs inside Flower's simulation engine (a Ray actor), where one
+    operator plays the server and every silo, so silo settings may come from the run config.
+    A deployed SuperNode never runs its ClientApp in a Ray actor, whatever the server sends."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().get_actor_id() is not None
+
+
 def _open_silo(context: Context) -> Silo:
     experiment = parse_run_config(context.run_config)
     silo = parse_node_config(context.node_config)
     record = context.state.config_records.get(_STATE)
     return Silo(silo, experiment, context.run_id,
-                str(record["ledger"]) if record is not None else None)
+                str(record["ledger"]) if record is not None else None,
+                trust_run_config=running_in_simulation())
 
 
-def _close_silo(context: Context, silo: Silo) -> None:
-    context.state[_STATE] = ConfigRecord({"ledger": silo.persist()})
+def _remember_ledger(context: Context, silo: Silo) -> None:
+    """Keep the (already saved) ledger in the node's state too: a lost file cannot reset it."""
+    context.state[_STATE] = ConfigRecord({"ledger": silo.ledger.to_json()})
 
 
 def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context],
@@ -73,6 +88,9 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
         except BudgetExceeded as exc:
             logger.warning("%s", exc)
             return Message(Error(BUDGET_EXCEEDED, str(exc)), reply_to=message)
+        except BadRequest as exc:
+            logger.error("silo refuses a %s message: %s", message.metadata.message_type, exc)
+            return Message(Error(BAD_REQUEST, str(exc)), reply_to=message)
         except (ConfigError, DataError, ValueError) as exc:
             logger.error("silo cannot run %s: %s", message.metadata.message_type, exc)
             return Message(Error(SILO_FAILED, f"{type(exc).__name__}: {exc}"), reply_to=message)
@@ -105,47 +123,54 @@ def handler_cpu_clock() -> Callable[[], float]:
 def train(message: Message, context: Context) -> Message:
     clock = handler_cpu_clock()
     started = clock()
+    request: TrainRequest = parse_request(TrainRequest, message)
     silo = _open_silo(context)
-    config = config_of(message)
-    server_round = integer(config, "server-round")
-    schedule = Schedule.from_config(config)
+    with silo.charging():  # check, train and charge under the ledger's lock
+        update, start, metrics = _train_round(silo, request, model_records(message.content),
+                                              context)
+    _remember_ledger(context, silo)
+    metrics.update({"epsilon-spent": silo.spent(), "cpu-seconds": clock() - started})
+    if request.personal:
+        # Local training: the model stays in the silo; only metrics leave it.
+        trained = {k: start[k] + update[k] for k in start}
+        context.state[OWN_MODEL] = ArrayRecord(trained)
+        return reply(message, one_record(METRICS, metrics))
+    return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(update)}))
+
+
+def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel],
+                 context: Context) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                            dict[str, float]]:
+    """Plan, check, (select and) train one round; returns the update, the weights it started
+    from and the reply's numbers. Runs under the ledger's lock."""
+    schedule = Schedule.from_request(request)
     plan = silo.plan(schedule)
-    batch = batch_of(config, "round-batch")
-    cluster = integer(config, "cluster")
+    server_round, cluster = request.server_round, request.cluster
     selecting = cluster == SELECT
     planned: list[GaussianSteps | Selection] = [
-        silo.round_cost(plan, batch, server_round, schedule.local_epochs)]
+        silo.round_cost(plan, request.batch, server_round, schedule.local_epochs)]
     if selecting:
         planned.append(Selection(plan.epsilon_select, round=server_round))
-    try:
-        silo.check(planned, server_round)
-    finally:
-        _close_silo(context, silo)  # keep the plan even when refusing
-    records = model_records(message.content)
+    silo.check(planned, server_round)
     if selecting:
         n_clusters = sum(1 for key in records if key.startswith("cluster-"))
+        if n_clusters < 1:
+            raise BadRequest("train message: a selection round carries no cluster-<m> models")
         candidates = [_state(records[cluster_key(m)], silo) for m in range(n_clusters)]
         cluster = silo.select(candidates, plan, server_round)
         start = candidates[cluster]
     else:
         start = _received_or_own(records, context, silo)
     prox = None
-    if ANCHOR in records and str(config.get("prox-variant", "correct")) == "correct":
-        prox = (number(config, "prox-lambda"), _state(records[ANCHOR], silo))
-    dp = DPSGDConfig(plan.noise_multiplier, number(config, "clip-norm"),
-                     number(config, "learning-rate"), batch, schedule.local_epochs,
+    if ANCHOR in records and request.prox_variant == "correct":
+        prox = (request.prox_lambda, _state(records[ANCHOR], silo))
+    dp = DPSGDConfig(plan.noise_multiplier, request.clip_norm, request.learning_rate,
+                     request.batch, schedule.local_epochs,
                      silo.experiment.physical_batch_size or None)
     update, metrics = silo.train(start, dp, server_round, prox)
-    _close_silo(context, silo)  # charged on disk before anything leaves the silo
     metrics.update({"cluster": cluster, "selected": int(selecting),
-                    "epsilon-spent": silo.spent(), "noise-multiplier": plan.noise_multiplier,
-                    "cpu-seconds": clock() - started})
-    if "personal" in config and integer(config, "personal") == 1:
-        # Local training: the model stays in the silo; only metrics leave it.
-        trained = {k: start[k] + update[k] for k in start}
-        context.state[OWN_MODEL] = ArrayRecord(trained)
-        return reply(message, one_record(METRICS, metrics))
-    return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(update)}))
+                    "noise-multiplier": plan.noise_multiplier})
+    return update, start, metrics
 
 
 def _received_or_own(records: dict[str, WireModel], context: Context,
@@ -163,8 +188,12 @@ def _received_or_own(records: dict[str, WireModel], context: Context,
 @app.evaluate()
 @_guarded
 def evaluate(message: Message, context: Context) -> Message:
+    request: EvaluateRequest = parse_request(EvaluateRequest, message)
     silo = _open_silo(context)
-    config = config_of(message)
-    metrics = silo.test(_received_or_own(model_records(message.content), context, silo))
-    metrics.update({"cluster": integer(config, "cluster"), "epsilon-spent": silo.spent()})
+    state = _received_or_own(model_records(message.content), context, silo)
+    with silo.charging():  # a private evaluation is charged like a round
+        silo.check(list(silo.evaluation_cost(request.server_round)), request.server_round)
+        metrics = silo.test(state, request.server_round)
+    _remember_ledger(context, silo)
+    metrics.update({"cluster": request.cluster, "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

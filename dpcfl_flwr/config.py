@@ -59,6 +59,10 @@ class ExperimentConfig(_Config):
     delta: float = Field(1e-4, gt=0.0, lt=1.0)
     conversion: Literal["classic", "tight"] = "classic"
     budget_mode: Literal["split", "joint"] = "split"
+    # simulation only (a deployed silo sets its own): "exact" metrics or "private" ones, noised
+    # with this noise multiplier on a correct-prediction count and charged (README, Privacy)
+    metrics: Literal["exact", "private"] = "exact"
+    metrics_noise: float = Field(10.0, gt=0.0, allow_inf_nan=False)
     select_ratio: float = Field(0.03, gt=0.0, lt=1.0)
     selection: Literal["window", "every-round"] = "window"
     select_window: float = Field(0.1, gt=0.0, le=1.0)
@@ -122,7 +126,15 @@ class ExperimentConfig(_Config):
 
 
 class SiloConfig(_Config):
-    """A silo's own settings (node config); unset fields fall back to the run config."""
+    """A silo's own settings (node config, from its silo file).
+
+    In deployment these are the only source of the silo's budget, ledger, data split, noise
+    seed and reporting policy: nothing the server sends can change them (docs/threat-model.md).
+    ``epsilon``, ``delta`` and ``ledger-path`` must be set; an unset split key takes the
+    default written in this code, never the run config's. Only in simulation, where one
+    operator plays server and every silo, do unset keys come from the run config
+    (:meth:`resolved`).
+    """
 
     partition_id: int = Field(ge=0)
     num_partitions: int = Field(0, ge=0)
@@ -130,6 +142,19 @@ class SiloConfig(_Config):
     delta: float | None = Field(None, gt=0.0, lt=1.0)
     ledger_path: str = ""
     data_dir: str = ""
+    # the silo's records: which dataset, and how its train / validation / test split is drawn
+    dataset: Literal["fmnist", "mnist", "cifar10"] | None = None
+    clusters: str | None = None
+    shift: Literal["rotation", "label_flip"] | None = None
+    samples_per_client: int | None = Field(None, ge=2)
+    val_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    test_samples: int | None = Field(None, ge=0)
+    data_draw: Literal["per-client", "authors"] | None = None
+    data_seed: int | None = None
+    # what the silo reports: "private" metrics are noised and charged, "exact" ones are an
+    # opt-in for a trusted server (docs/threat-model.md)
+    metrics: Literal["private", "exact"] | None = None
+    metrics_noise: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     true_cluster: int = Field(-1, ge=-1, description="evaluation only; -1: from the topology")
     threads: int = Field(0, ge=0)
     device: str = "cpu"
@@ -142,6 +167,53 @@ class SiloConfig(_Config):
             raise ValueError("must be 'cpu', 'cuda' or 'cuda:<index>'")
         return value
 
+    @field_validator("clusters")
+    @classmethod
+    def _valid_topology(cls, value: str | None) -> str | None:
+        if value is not None:
+            Topology.parse(value)
+        return value
+
+    def resolved(self, experiment: ExperimentConfig, trust_run_config: bool) -> SiloConfig:
+        """Every setting filled in. ``trust_run_config`` (simulation only): unset keys come
+        from the run config; otherwise the budget and ledger must be the silo's own and unset
+        split keys take this code's defaults. Raises :class:`ConfigError` naming what is
+        missing."""
+        if trust_run_config:
+            source = {key: getattr(experiment, key) for key in _SPLIT_KEYS}
+            source.update(epsilon=experiment.epsilon, delta=experiment.delta,
+                          data_seed=experiment.seed, metrics=experiment.metrics,
+                          metrics_noise=experiment.metrics_noise, threads=experiment.threads,
+                          ledger_path=str(experiment.ledger_directory()
+                                          / f"silo-{self.partition_id}.json"),
+                          data_dir=experiment.data_dir)
+        else:
+            missing = [_kebab(key) for key in DEPLOYMENT_REQUIRED if not getattr(self, key)]
+            if missing:
+                raise ConfigError(
+                    f"node config: {', '.join(missing)} must be set in the silo's own node "
+                    "config (silo file); a deployed silo never takes its budget or ledger "
+                    "from the server")
+            source = {key: ExperimentConfig.model_fields[key].default for key in _SPLIT_KEYS}
+            source.update(data_seed=ExperimentConfig.model_fields["seed"].default,
+                          metrics="private",
+                          metrics_noise=ExperimentConfig.model_fields["metrics_noise"].default,
+                          threads=1)
+        return self.model_copy(update={key: value for key, value in source.items()
+                                       if getattr(self, key) in (None, "", 0)})
+
+    @property
+    def topology(self) -> Topology:
+        """The topology of a resolved config (the silo's cluster comes from it)."""
+        return Topology.parse(self.clusters or ExperimentConfig.model_fields["clusters"].default)
+
+
+#: The data-split settings a silo reads from its node config (simulation: the run config).
+_SPLIT_KEYS = ("dataset", "clusters", "shift", "samples_per_client", "val_fraction",
+               "test_samples", "data_draw")
+#: What a deployed silo must set itself: no default could be right for every silo.
+DEPLOYMENT_REQUIRED = ("epsilon", "delta", "ledger_path")
+
 
 def _one_line(error: ValidationError, what: str, model: type[_Config]) -> ConfigError:
     first = error.errors()[0]
@@ -149,6 +221,8 @@ def _one_line(error: ValidationError, what: str, model: type[_Config]) -> Config
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(_kebab(name) for name in model.model_fields))
         return ConfigError(f"{what}: unknown key '{key}' (allowed keys: {allowed})")
+    if first["type"] == "missing":
+        return ConfigError(f"{what}: '{key}' is missing")
     value = first.get("input")
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"{what}: '{key}' = {value!r} is invalid: {message}")

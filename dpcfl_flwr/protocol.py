@@ -70,6 +70,9 @@ OWN = -3
 BUDGET_EXCEEDED = 4001
 #: Error code of a silo that could not run the round (bad data, bad config).
 SILO_FAILED = 4002
+#: Error code of a silo refusing a message with a missing or invalid field (named in the
+#: reason); nothing was computed or charged.
+BAD_REQUEST = 4003
 
 
 def cluster_key(cluster: int) -> str:

@@ -1,15 +1,19 @@
 """What a silo does with a round, independent of how the round reached it (Flower or a test).
 
-The silo owns its privacy: it reads its budget from its own node config, calibrates its own
-noise multiplier for the whole schedule the server proposes, charges every mechanism to a
-ledger on its own disk *before* it releases anything, and refuses a round that would take its
-spent epsilon over its budget (ARCHITECTURE: the server is not trusted with privacy).
+The silo owns its privacy (docs/threat-model.md): its budget, ledger, data split, noise seed
+and reporting policy come from its own node config (only in simulation, where one operator
+plays every role, from the run config); it calibrates its own noise multiplier for the whole
+schedule the server proposes, charges every mechanism to a ledger on its own disk, under an OS
+lock, *before* it releases anything, and refuses a round that would take its spent epsilon
+over its budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,12 +31,25 @@ from .privacy import (
     Selection,
     accuracy_sensitivity,
     calibrate_noise_multiplier,
+    ledger_lock,
+    metric_release_cost,
+    noisy_evaluation,
     plan_noise,
     select_cluster,
     selection_rdp,
     two_stage_schedule,
 )
-from .training import DPSGDConfig, configure_threads, evaluate, round_cost, train_dp
+from .privacy.metrics import LOSS_BOUND
+from .requests import BadRequest, TrainRequest
+from .training import (
+    DPSGDConfig,
+    configure_threads,
+    evaluate,
+    evaluation_sums,
+    round_cost,
+    secure_generator,
+    train_dp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +70,9 @@ class Schedule:
     select_ratio: float
     conversion: Literal["classic", "tight"]
     budget_mode: Literal["split", "joint"]
+    #: evaluate queries the server will send; a silo with private metrics reserves budget
+    #: for them (and refuses more once its budget is spent)
+    evaluations: int = 0
 
     def to_config(self) -> dict[str, Any]:
         return {
@@ -60,16 +80,16 @@ class Schedule:
             "batch-size": self.batch_size, "first-batch": str(self.first_batch),
             "select-rounds": self.select_rounds, "select-ratio": self.select_ratio,
             "conversion": self.conversion, "budget-mode": self.budget_mode,
+            "evaluations": self.evaluations,
         }
 
     @classmethod
-    def from_config(cls, config: Any) -> Schedule:
-        first = str(config["first-batch"])
-        return cls(
-            int(config["rounds"]), int(config["local-epochs"]), int(config["batch-size"]),
-            "full" if first == "full" else int(first), int(config["select-rounds"]),
-            float(config["select-ratio"]), config["conversion"], config["budget-mode"],
-        )
+    def from_request(cls, request: TrainRequest) -> Schedule:
+        first = request.first_batch
+        return cls(request.rounds, request.local_epochs, request.batch_size,
+                   "full" if first == "full" else int(first), request.select_rounds,
+                   request.select_ratio, request.conversion, request.budget_mode,
+                   request.evaluations)
 
     def key(self) -> str:
         return repr(sorted(self.to_config().items()))
@@ -85,43 +105,50 @@ class SiloPlan:
 
 
 @functools.lru_cache(maxsize=32)
-def _client_data(dataset: str, data_dir: str, clusters: str, shift: str, samples: int,
-                 seed: int, val_fraction: float, test_samples: int, draw: str,
-                 partition: int) -> ClientData:
-    from .data import Topology
-
-    train, test = load_dataset(dataset, data_dir or None)
-    return make_client_data(train, test, partition, Topology.parse(clusters), shift, samples,
-                            seed=seed, val_fraction=val_fraction,
-                            test_samples=test_samples or None, dataset=dataset, draw=draw)
+def _client_data(silo: SiloConfig) -> ClientData:
+    """The records of a resolved silo config (cached: a warm silo answers every round)."""
+    assert silo.dataset and silo.shift and silo.data_draw  # resolved
+    train, test = load_dataset(silo.dataset, silo.data_dir or None)
+    return make_client_data(train, test, silo.partition_id, silo.topology, silo.shift,
+                            int(silo.samples_per_client or 0), seed=int(silo.data_seed or 0),
+                            val_fraction=float(silo.val_fraction or 0),
+                            test_samples=silo.test_samples or None, dataset=silo.dataset,
+                            draw=silo.data_draw)
 
 
 class Silo:
-    """One silo in one run: its data, budget, ledger and plan."""
+    """One silo in one run: its data, budget, ledger and plan.
+
+    ``trust_run_config`` is for simulation only: settings the node config leaves unset come
+    from the run config. Otherwise (deployment) budget, ledger and split are the node
+    config's own and a missing budget or ledger stops the silo (:meth:`SiloConfig.resolved`).
+    """
 
     def __init__(self, silo: SiloConfig, experiment: ExperimentConfig, run_id: int,
-                 state_ledger: str | None = None) -> None:
-        self.silo, self.experiment, self.run_id = silo, experiment, run_id
-        configure_threads(silo.threads or experiment.threads)
-        self.budget = PrivacyBudget(silo.epsilon or experiment.epsilon,
-                                    silo.delta or experiment.delta, experiment.conversion)
-        self.ledger_path = Path(silo.ledger_path) if silo.ledger_path else (
-            experiment.ledger_directory() / f"silo-{silo.partition_id}.json")
-        self.ledger = self._load_ledger(state_ledger)
+                 state_ledger: str | None = None, trust_run_config: bool = False) -> None:
+        self.silo = silo.resolved(experiment, trust_run_config)
+        self.experiment, self.run_id = experiment, run_id
+        configure_threads(self.silo.threads)
+        assert self.silo.epsilon is not None and self.silo.delta is not None  # resolved
+        self.budget = PrivacyBudget(self.silo.epsilon, self.silo.delta, experiment.conversion)
+        self.ledger_path = Path(self.silo.ledger_path)
+        self._state_ledger = state_ledger
+        self.ledger = self._load_ledger()
 
     # --- identity and data ----------------------------------------------------------------
     @functools.cached_property
     def data(self) -> ClientData:
-        e = self.experiment
-        return _client_data(e.dataset, self.silo.data_dir or e.data_dir, e.clusters, e.shift,
-                            e.samples_per_client, e.seed, e.val_fraction, e.test_samples,
-                            e.data_draw, self.silo.partition_id)
+        return _client_data(self.silo)
 
     @property
     def true_cluster(self) -> int:
         if self.silo.true_cluster >= 0:
             return self.silo.true_cluster
-        return self.experiment.topology.cluster_of(self.silo.partition_id)
+        return self.silo.topology.cluster_of(self.silo.partition_id)
+
+    @property
+    def private_metrics(self) -> bool:
+        return self.silo.metrics == "private"
 
     def describe(self) -> dict[str, float | int]:
         """What the silo tells the server about itself (the ``query`` reply)."""
@@ -131,17 +158,39 @@ class Silo:
             "delta": self.budget.delta, "epsilon-spent": self.spent(),
         }
 
-    # --- ledger -----------------------------------------------------------------------------
-    def _load_ledger(self, state_ledger: str | None) -> PrivacyLedger:
+    # --- ledger ---------------------------------------------------------------------------
+    def _load_ledger(self) -> PrivacyLedger:
         on_disk = PrivacyLedger.load(self.ledger_path)
-        in_state = PrivacyLedger.from_json(state_ledger) if state_ledger else PrivacyLedger()
+        state = self._state_ledger
+        in_state = PrivacyLedger.from_json(state) if state else PrivacyLedger()
         # Histories only grow: the longer one is the more recent (e.g. a lost file).
         return in_state if len(in_state.entries) > len(on_disk.entries) else on_disk
+
+    @contextlib.contextmanager
+    def charging(self) -> Iterator[None]:
+        """Hold the ledger's OS lock from the budget check to the durable write of the charge:
+        the ledger is read again under the lock (another handler of this silo may have
+        charged meanwhile) and saved before the lock is released, whatever happens inside."""
+        with ledger_lock(self.ledger_path):
+            self.ledger = self._load_ledger()
+            try:
+                yield
+            finally:
+                self.persist()
 
     def persist(self) -> str:
         """Save the ledger to the silo's disk; returns its JSON for Flower's context.state."""
         self.ledger.save(self.ledger_path)
-        return self.ledger.to_json()
+        self._state_ledger = self.ledger.to_json()
+        return self._state_ledger
+
+    def _charge_seed(self) -> int | None:
+        """Tests only (``noise-seed``): a seed that differs for every charge the ledger has
+        recorded, so a repeated round never reuses a noise draw; None: OS entropy."""
+        if self.silo.noise_seed < 0:
+            return None
+        sequence = np.random.SeedSequence([self.silo.noise_seed, len(self.ledger.entries)])
+        return int(sequence.generate_state(1, dtype=np.uint32)[0])
 
     def spent(self) -> float:
         return self.ledger.spent(self.budget)
@@ -164,18 +213,27 @@ class Silo:
     def _calibrate(self, s: Schedule) -> SiloPlan:
         n, b = self.data.num_train, self.budget
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
+        reserved = self._reserved_metrics(s)
         try:
-            if not self.ledger.entries:
+            if not self.ledger.entries and not reserved:
                 plan = plan_noise(phases, b.epsilon, b.delta, s.select_rounds, s.select_ratio,
                                   s.conversion, s.budget_mode)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key())
-            # Earlier runs already spent part of the budget: fit this run into what is left.
+            # Earlier runs or the run's private evaluations take part of the budget: fit the
+            # training into what is left.
             eps_select = s.select_ratio * b.epsilon
-            extra = self.ledger.rdp() + s.select_rounds * selection_rdp(eps_select)
+            extra = self.ledger.rdp(reserved) + s.select_rounds * selection_rdp(eps_select)
             z = calibrate_noise_multiplier(phases, b.epsilon, b.delta, s.conversion, extra)
         except ValueError as exc:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key())
+
+    def _reserved_metrics(self, s: Schedule) -> list[GaussianSteps]:
+        if not self.private_metrics or not s.evaluations:
+            return []
+        assert self.silo.metrics_noise is not None  # resolved
+        cost = metric_release_cost(self.silo.metrics_noise, None)
+        return [GaussianSteps(cost.noise_multiplier, cost.sample_rate, s.evaluations)]
 
     # --- rounds -----------------------------------------------------------------------------
     def check(self, planned: list[GaussianSteps | Selection], round_number: int) -> None:
@@ -197,7 +255,7 @@ class Silo:
         return _template(self.experiment.model, self._channels())
 
     def _channels(self) -> int:
-        return 3 if self.experiment.dataset == "cifar10" else 1
+        return 3 if self.silo.dataset == "cifar10" else 1
 
     def select(self, candidates: list[dict[str, torch.Tensor]], plan: SiloPlan,
                round_number: int) -> int:
@@ -206,8 +264,8 @@ class Silo:
             100.0 * evaluate(self.new_model(s), self.data.x_train, self.data.y_train)[1]
             for s in candidates
         ]
-        rng = None if self.silo.noise_seed < 0 else np.random.default_rng(
-            [self.silo.noise_seed, round_number])
+        seed = self._charge_seed()
+        rng = None if seed is None else np.random.default_rng(seed)
         choice = select_cluster(utilities, plan.epsilon_select,
                                 accuracy_sensitivity(self.data.num_train), rng)
         self.ledger.record([Selection(plan.epsilon_select, round=round_number)])
@@ -215,26 +273,49 @@ class Silo:
 
     def round_cost(self, plan: SiloPlan, batch: int | Literal["full"], round_number: int,
                    epochs: int) -> GaussianSteps:
+        if batch != "full" and batch > self.data.num_train:
+            raise BadRequest(f"train message: 'round-batch' = {batch} exceeds this silo's "
+                             f"{self.data.num_train} training records")
         return round_cost(self.data.num_train, batch, epochs, plan.noise_multiplier,
                           round_number)
 
     def train(self, state: dict[str, torch.Tensor], config: DPSGDConfig, round_number: int,
               prox: tuple[float, dict[str, torch.Tensor]] | None = None) -> tuple[
                   dict[str, torch.Tensor], dict[str, float]]:
-        """One round of DP-SGD from ``state``; charges the ledger and returns the update."""
+        """One round of DP-SGD from ``state``; charges the ledger and returns the update with
+        the numbers the silo reports (validation figures only with exact metrics)."""
         model = self.new_model(state)
-        seed = None if self.silo.noise_seed < 0 else self.silo.noise_seed * 100_003 + round_number
         result = train_dp(model, self.data.x_train, self.data.y_train, config,
-                          round_number=round_number, seed=seed, prox=prox)
+                          round_number=round_number, seed=self._charge_seed(), prox=prox)
         self.ledger.record(result.entries)
-        val_loss, val_accuracy = evaluate(model, self.data.x_val, self.data.y_val)
-        return result.update, {"num-examples": result.num_examples, "val-loss": val_loss,
-                               "val-accuracy": val_accuracy}
+        metrics: dict[str, float] = {"num-examples": self.data.num_train}
+        if not self.private_metrics:
+            metrics["val-loss"], metrics["val-accuracy"] = evaluate(
+                model, self.data.x_val, self.data.y_val)
+        return result.update, metrics
 
-    def test(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
-        loss, accuracy = evaluate(self.new_model(state), self.data.x_test, self.data.y_test)
-        return {"num-examples": int(self.data.x_test.shape[0]), "test-loss": loss,
-                "test-accuracy": accuracy}
+    def evaluation_cost(self, round_number: int) -> list[GaussianSteps]:
+        """What answering an evaluate query costs: nothing with exact metrics."""
+        if not self.private_metrics:
+            return []
+        assert self.silo.metrics_noise is not None  # resolved
+        return [metric_release_cost(self.silo.metrics_noise, round_number)]
+
+    def test(self, state: dict[str, torch.Tensor], round_number: int) -> dict[str, float]:
+        """Test loss and accuracy of ``state``: exact, or (private metrics) through the
+        Gaussian mechanism, charged; call inside :meth:`charging` after :meth:`check`."""
+        model, x, y = self.new_model(state), self.data.x_test, self.data.y_test
+        count = int(x.shape[0])
+        if not self.private_metrics:
+            loss, accuracy = evaluate(model, x, y)
+        else:
+            loss_sum, correct = evaluation_sums(model, x, y, LOSS_BOUND)
+            cost = self.evaluation_cost(round_number)
+            generator = secure_generator(self._charge_seed())
+            self.ledger.record(cost)
+            loss, accuracy = noisy_evaluation(correct, loss_sum, count,
+                                              cost[0].noise_multiplier, generator)
+        return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}
 
 
 @functools.lru_cache(maxsize=4)

@@ -215,10 +215,12 @@ def train_dp(
 
 
 @torch.inference_mode()
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
-) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy (a fraction in [0, 1]) of ``model`` on (x, y)."""
+def evaluation_sums(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_bound: float = math.inf,
+    batch_size: int = 1024,
+) -> tuple[float, int]:
+    """Sum of per-record cross-entropy (nats, each clipped to ``loss_bound``) and the number of
+    correct predictions of ``model`` on (x, y): the sums a private evaluation noises."""
     if x.shape[0] == 0:
         raise ValueError("cannot evaluate on an empty split")
     model.eval()
@@ -226,6 +228,15 @@ def evaluate(
     for start in range(0, x.shape[0], batch_size):
         logits = model(x[start:start + batch_size])
         target = y[start:start + batch_size]
-        loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+        losses = nn.functional.cross_entropy(logits, target, reduction="none")
+        loss_sum += float(losses.clamp(max=loss_bound).sum())
         correct += int((logits.argmax(dim=1) == target).sum())
+    return loss_sum, correct
+
+
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy (a fraction in [0, 1]) of ``model`` on (x, y)."""
+    loss_sum, correct = evaluation_sums(model, x, y, batch_size=batch_size)
     return loss_sum / x.shape[0], correct / x.shape[0]

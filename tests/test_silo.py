@@ -44,7 +44,16 @@ def _schedule(experiment) -> Schedule:
 
 
 def _silo(experiment, run_id=7, partition=1, **node):
-    return Silo(parse_node_config({"partition-id": partition, **node}), experiment, run_id)
+    """A silo as in simulation: what its node config leaves unset comes from the run config."""
+    return Silo(parse_node_config({"partition-id": partition, **node}), experiment, run_id,
+                trust_run_config=True)
+
+
+@pytest.fixture()
+def simulation(monkeypatch):
+    """The ClientApp as Flower's simulation engine runs it (one operator plays every role);
+    tests/test_simulation.py runs the engine itself."""
+    monkeypatch.setattr("dpcfl_flwr.client_app.running_in_simulation", lambda: True)
 
 
 def test_plan_is_made_once_per_run_and_survives_a_restart(experiment):
@@ -92,7 +101,8 @@ def test_the_longer_history_wins_between_state_and_file(experiment):
     state_json = silo.ledger.to_json()
     silo.ledger.entries.pop()
     silo.persist()  # the file now lags behind the state (e.g. restored from a backup)
-    reopened = Silo(parse_node_config({"partition-id": 1}), experiment, 7, state_json)
+    reopened = Silo(parse_node_config({"partition-id": 1}), experiment, 7, state_json,
+                    trust_run_config=True)
     assert len(reopened.ledger.entries) == 2
 
 
@@ -132,7 +142,8 @@ def _train_content(experiment, server_round, cluster, models):
     return content
 
 
-def test_client_app_trains_charges_selects_and_refuses(server_task_identity, experiment):
+def test_client_app_trains_charges_selects_and_refuses(server_task_identity, simulation,
+                                                       experiment):
     context = _context(experiment)
     query = client_app(_message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
                                 "query", 501), context)
@@ -147,7 +158,7 @@ def test_client_app_trains_charges_selects_and_refuses(server_task_identity, exp
     ledger = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
     assert [(e.sample_rate, e.round) for e in ledger.entries] == [(1.0, 1)]
     assert metrics["epsilon-spent"] == pytest.approx(ledger.spent(
-        Silo(parse_node_config({"partition-id": 1}), experiment, 11).budget))
+        _silo(experiment, 11).budget))
     second = client_app(_message(_train_content(experiment, 2, SELECT, [model, model]),
                                  "train", 501), context)
     assert metrics_of(second)["selected"] == 1
@@ -165,7 +176,7 @@ def test_client_app_trains_charges_selects_and_refuses(server_task_identity, exp
     assert len(after.entries) == len(ledger.entries)  # nothing charged for a refused round
 
 
-def test_client_app_evaluates_on_its_test_split(server_task_identity, experiment):
+def test_client_app_evaluates_on_its_test_split(server_task_identity, simulation, experiment):
     reply = client_app(_message(RecordDict({
         ARRAYS: initial_arrays(experiment),
         CONFIG: ConfigRecord({"server-round": 5, "cluster": 0})}), "evaluate", 501),
@@ -174,7 +185,8 @@ def test_client_app_evaluates_on_its_test_split(server_task_identity, experiment
     assert metrics["num-examples"] == 40 and 0.0 <= metrics["test-accuracy"] <= 1.0
 
 
-def test_client_app_reports_a_bad_run_config_as_an_error(server_task_identity, experiment):
+def test_client_app_reports_a_bad_run_config_as_an_error(server_task_identity, simulation,
+                                                          experiment):
     context = _context(experiment)
     context.run_config = {**context.run_config, "epsilon": -3.0}
     reply = client_app(_message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),

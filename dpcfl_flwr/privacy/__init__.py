@@ -2,7 +2,8 @@
 
 from .budget import BudgetMode, BudgetSplit, NoisePlan, plan_noise, split_budget
 from .calibration import calibrate_noise_multiplier, schedule_epsilon
-from .ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
+from .ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection, ledger_lock
+from .metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .schedule import (
     FULL_BATCH,
@@ -21,8 +22,9 @@ from .selection import (
 
 __all__ = [
     "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "GaussianPhase",
-    "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Selection",
-    "accuracy_sensitivity", "calibrate_noise_multiplier", "plan_noise", "rdp_to_dp",
+    "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Selection",
+    "accuracy_sensitivity", "calibrate_noise_multiplier", "ledger_lock",
+    "metric_release_cost", "noisy_evaluation", "plan_noise", "rdp_to_dp",
     "round_phase", "schedule_epsilon", "select_cluster", "selection_probabilities",
     "selection_rdp", "sgm_rdp", "single_stage_schedule", "split_budget", "steps_per_round",
     "two_stage_schedule",

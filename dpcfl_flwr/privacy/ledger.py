@@ -8,11 +8,13 @@ server is not trusted with privacy).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -191,6 +193,25 @@ class PrivacyLedger:
                 f"privacy ledger {source} is unreadable ({exc}); refusing to start from an "
                 "empty budget. Restore the file or move it away deliberately."
             ) from exc
+
+
+@contextlib.contextmanager
+def ledger_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive OS lock on the ledger at ``path`` for the ``with`` block.
+
+    A silo's load -> check -> charge -> save must not interleave with another handler's (two
+    processes of one silo both passed the check and one charge was lost). ``flock`` on a
+    sibling ``.lock`` file serialises every holder, in this process or another; the kernel
+    releases it when its holder dies, so a crash cannot leave the ledger locked.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _fsync_directory(directory: Path) -> None:

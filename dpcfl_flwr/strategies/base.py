@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Literal, Protocol
 
@@ -202,8 +202,15 @@ class ClusteredStrategy(Strategy):
             "server-round": server_round, "stage": self.stage(server_round), "cluster": cluster,
             "round-batch": str(self.round_batch(server_round)),
             "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
-            "personal": int(self.personal), **self.schedule().to_config(),
+            "personal": int(self.personal),
+            **replace(self.schedule(), evaluations=self.evaluations()).to_config(),
         }
+
+    def evaluations(self) -> int:
+        """Evaluate queries of the run (every ``eval-every`` rounds and after the last): a
+        silo with private metrics reserves budget for them."""
+        rounds, every = self.experiment.num_server_rounds, self.experiment.eval_every
+        return rounds // every + (rounds % every != 0)
 
     def _ttl(self) -> float:
         """A round's messages expire with the round: a silo that restarts must not pick up

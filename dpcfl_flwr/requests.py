@@ -1,0 +1,92 @@
+"""What a silo accepts from the server: every field of a ``train`` or ``evaluate`` message,
+validated before anything is computed, charged or released.
+
+The server is not trusted (docs/threat-model.md): a field it sends may be missing, of the wrong
+type, NaN, zero or absurd. A bad field is refused with :class:`BadRequest`, whose one-line
+message names it; the ClientApp answers with an Error (:data:`~.protocol.BAD_REQUEST`) and
+charges nothing. The field layout itself is documented in :mod:`.protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from flwr.app import Message
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+from .config import ConfigError, _Config, _one_line
+from .protocol import CONFIG, OWN
+
+#: Caps that keep a request from tying a silo up for days; any real schedule is far below.
+MAX_ROUNDS = 100_000
+MAX_LOCAL_EPOCHS = 1_000
+
+
+class BadRequest(ConfigError):
+    """A message field the silo will not act on; the message names the field."""
+
+
+def _batch(value: Any) -> str:
+    text = str(value)
+    if text != "full" and not (text.isdigit() and int(text) > 0):
+        raise ValueError("must be 'full' or a positive integer")
+    return text
+
+
+class _Request(_Config):
+    # Models travel as bytes fields of the same record: other keys are not read, so not refused.
+    model_config = ConfigDict(extra="ignore", alias_generator=_Config.model_config[
+        "alias_generator"], populate_by_name=True, frozen=True, allow_inf_nan=False)
+
+
+class TrainRequest(_Request):
+    """The settings of a ``train`` message (the models are read separately)."""
+
+    server_round: int = Field(ge=1, le=MAX_ROUNDS)
+    cluster: int = Field(ge=OWN)
+    round_batch: str
+    learning_rate: float = Field(gt=0.0)
+    clip_norm: float = Field(gt=0.0)
+    personal: int = Field(0, ge=0, le=1)
+    prox_lambda: float = Field(0.0, ge=0.0)
+    prox_variant: Literal["correct", "authors"] = "correct"
+    # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.Schedule)
+    rounds: int = Field(ge=1, le=MAX_ROUNDS)
+    local_epochs: int = Field(ge=1, le=MAX_LOCAL_EPOCHS)
+    batch_size: int = Field(ge=1)
+    first_batch: str
+    select_rounds: int = Field(ge=0, le=MAX_ROUNDS)
+    select_ratio: float = Field(ge=0.0, lt=1.0)
+    conversion: Literal["classic", "tight"]
+    budget_mode: Literal["split", "joint"]
+    evaluations: int = Field(0, ge=0, le=MAX_ROUNDS)
+
+    @field_validator("round_batch", "first_batch", mode="before")
+    @classmethod
+    def _valid_batch(cls, value: Any) -> str:
+        return _batch(value)
+
+    @property
+    def batch(self) -> int | Literal["full"]:
+        return "full" if self.round_batch == "full" else int(self.round_batch)
+
+
+class EvaluateRequest(_Request):
+    """The settings of an ``evaluate`` message."""
+
+    server_round: int = Field(ge=0, le=MAX_ROUNDS)
+    cluster: int = Field(ge=OWN)
+
+
+def parse_request(kind: type[_Request], message: Message) -> Any:
+    """The ``config`` record of ``message`` validated as ``kind``; :class:`BadRequest` naming
+    the first missing or bad field."""
+    what = f"{message.metadata.message_type} message"
+    record = message.content.config_records.get(CONFIG)
+    if record is None:
+        raise BadRequest(f"{what}: no '{CONFIG}' record")
+    try:
+        return kind.model_validate({k: v for k, v in record.items()
+                                    if not isinstance(v, bytes)})
+    except ValidationError as exc:
+        raise BadRequest(str(_one_line(exc, what, kind))) from None
