@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -215,12 +215,14 @@ class Silo:
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
         reserved = self._reserved_metrics(s)
         try:
-            if not self.ledger.entries and not reserved:
-                plan = plan_noise(phases, b.epsilon, b.delta, s.select_rounds, s.select_ratio,
+            if not self.ledger.entries and (s.budget_mode == "split" or not reserved):
+                # split: the private evaluations, like the selections, get their own share
+                epsilon = b.epsilon - PrivacyLedger().epsilon(b.delta, s.conversion, reserved)
+                plan = plan_noise(phases, epsilon, b.delta, s.select_rounds, s.select_ratio,
                                   s.conversion, s.budget_mode)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key())
-            # Earlier runs or the run's private evaluations take part of the budget: fit the
-            # training into what is left.
+            # Earlier runs (or, composed jointly, the run's private evaluations) take part of
+            # the budget: fit the training into what is left.
             eps_select = s.select_ratio * b.epsilon
             extra = self.ledger.rdp(reserved) + s.select_rounds * selection_rdp(eps_select)
             z = calibrate_noise_multiplier(phases, b.epsilon, b.delta, s.conversion, extra)
@@ -229,11 +231,11 @@ class Silo:
         return SiloPlan(z, eps_select, s.key())
 
     def _reserved_metrics(self, s: Schedule) -> list[GaussianSteps]:
+        """The run's private evaluations, as one ledger entry (none with exact metrics)."""
         if not self.private_metrics or not s.evaluations:
             return []
         assert self.silo.metrics_noise is not None  # resolved
-        cost = metric_release_cost(self.silo.metrics_noise, None)
-        return [GaussianSteps(cost.noise_multiplier, cost.sample_rate, s.evaluations)]
+        return [replace(metric_release_cost(self.silo.metrics_noise, None), steps=s.evaluations)]
 
     # --- rounds -----------------------------------------------------------------------------
     def check(self, planned: list[GaussianSteps | Selection], round_number: int) -> None:
