@@ -58,7 +58,9 @@ runtime-port = {free_port()}
 [node]
 partition-id = 0
 epsilon = 4.0
+delta = 1e-5
 ledger-path = "ledgers/silo-00.json"
+samples-per-client = 64
 ''')
     return path
 
@@ -72,8 +74,9 @@ def test_a_valid_silo_file_becomes_a_tls_supernode_command(tmp_path):
     assert command[command.index("--root-certificates") + 1] == str(tmp_path / "certs/ca.crt")
     assert "--auth-supernode-private-key" in command
     config = tomllib.loads(command[command.index("--node-config") + 1].replace(" ", "\n"))
-    assert config == {"partition-id": 0, "epsilon": 4.0,
-                      "ledger-path": str(tmp_path / "ledgers" / "silo-00.json")}
+    assert config == {"partition-id": 0, "epsilon": 4.0, "delta": 1e-5,
+                      "ledger-path": str(tmp_path / "ledgers" / "silo-00.json"),
+                      "samples-per-client": 64}
     assert node_config_text(node).startswith("partition-id=0")
 
 
@@ -108,9 +111,15 @@ def test_server_settings_are_checked_before_anything_starts(tmp_path):
 def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path):
     silo_file = _silo_file(tmp_path)
     shown = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
-                            "--dry-run"], capture_output=True, text=True, timeout=120)
+                            "--dry-run"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "1000"})  # no cell cut short
     assert shown.returncode == 0, shown.stderr
-    assert "eps=4.0" in shown.stdout and "supernode_launcher" in shown.stdout
+    plan = " ".join(shown.stdout.split())
+    assert "epsilon=4, delta=1e-05" in plan and "supernode_launcher" in plan
+    assert str(tmp_path / "ledgers" / "silo-00.json") in plan
+    assert "fmnist partition 0 of topology {3,6,6,6} (cluster 0, rotation): 64 samples" in plan
+    assert "draw authors, data seed 0" in plan and "private (noise multiplier 10" in plan
+    assert "pinned: only a FAB that ships the code installed in" in plan
     assert "every 0.5 s" in shown.stdout
     slower = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
                              "--idle-poll", "2", "--dry-run"], capture_output=True, text=True,
@@ -123,10 +132,41 @@ def test_client_dry_run_prints_the_plan_and_refuses_insecure_by_default(tmp_path
     # Flags only, no certificate and no --insecure: refused, TLS is not optional by default.
     bad = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", "--name", "x",
                           "--partition-id", "0", "--superlink", "127.0.0.1:9092",
+                          "--epsilon", "4", "--delta", "1e-5",
                           "--ledger-path", str(tmp_path / "x.json"), "--runtime-port",
                           str(free_port()), "--dry-run"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "TLS needs root-certificates" in bad.stderr
+
+
+def test_a_silo_without_its_own_budget_or_ledger_refuses_to_start_with_one_line(tmp_path):
+    silo_file = _silo_file(tmp_path)
+    silo_file.write_text(silo_file.read_text().replace("delta = 1e-5\n", "").replace(
+        'ledger-path = "ledgers/silo-00.json"\n', ""))
+    silo, node = load_silo_file(silo_file, {}, {})
+    assert [p for p in check_silo(silo, node) if "must be set" in p] == [
+        "node config: delta, ledger-path must be set in the silo's own node config (silo "
+        "file); a deployed silo never takes its budget or ledger from the server"]
+    refused = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
+                              "--epsilon", "4", "--dry-run"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "supernode_launcher" not in refused.stdout
+    assert [line for line in refused.stderr.splitlines() if line.strip()] == [
+        "error: node config: delta, ledger-path must be set in the silo's own node config "
+        "(silo file); a deployed silo never takes its budget or ledger from the server"]
+    given = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),
+                            "--delta", "1e-5", "--ledger-path", str(tmp_path / "l.json"),
+                            "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert given.returncode == 0, given.stderr
+
+
+def test_relative_paths_in_a_silo_file_are_relative_to_the_file(tmp_path):
+    silo_file = _silo_file(tmp_path)
+    silo_file.write_text(silo_file.read_text() + 'data-dir = "data"\n')
+    (tmp_path / "data").mkdir()
+    _, node = load_silo_file(silo_file, {}, {})
+    assert node.ledger_path == str(tmp_path / "ledgers" / "silo-00.json")
+    assert node.data_dir == str(tmp_path / "data")
 
 
 def test_descendants_finds_grandchildren_and_nothing_else():

@@ -1,5 +1,6 @@
 """The SuperNode launcher shortens exactly Flower's two poll waits, and only on flwr 1.39.0;
-its Runtime API ticks once a second; an in-process ClientApp ends the reply wait."""
+its Runtime API ticks once a second; an in-process ClientApp ends the reply wait; no option that
+would run other code than the installed app gets through."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dpcfl_flwr.deploy.supernode_launcher import (
     skip_connectivity_watch,
     slow_runtime_api_tick,
     split_arguments,
+    unpinned_options,
 )
 
 
@@ -69,11 +71,21 @@ def test_shorten_waits_patches_the_real_loop_only_for_the_known_version(monkeypa
 
 def test_split_arguments_takes_our_options_and_passes_everything_else_on():
     options, rest = split_arguments(["--idle-poll", "0.25", "--superlink", "h:1", "--insecure"])
-    assert (options.idle_poll, options.clientapp_in_process, rest) == (
-        0.25, False, ["--superlink", "h:1", "--insecure"])
-    options, rest = split_arguments(["--clientapp-in-process", "--idle-poll=1", "--grpc-rere"])
-    assert (options.idle_poll, options.clientapp_in_process, rest) == (1.0, True, ["--grpc-rere"])
+    assert (options.idle_poll, options.clientapp, rest) == (
+        0.25, "warm", ["--superlink", "h:1", "--insecure"])
+    options, rest = split_arguments(["--clientapp", "per-message", "--idle-poll=1",
+                                     "--grpc-rere"])
+    assert (options.idle_poll, options.clientapp, rest) == (1.0, "per-message", ["--grpc-rere"])
     assert split_arguments(["--insecure"])[0].idle_poll == 0.5
+
+
+def test_options_that_would_run_code_other_than_the_installed_app_are_named():
+    # Flower's SuperExec runs whatever the FAB ships; dependency installation, any package
+    assert unpinned_options(["--isolation", "process", "--insecure"]) == []
+    assert unpinned_options(["--isolation", "subprocess"]) == ["--isolation subprocess"]
+    assert unpinned_options(["--isolation=subprocess"]) == ["--isolation subprocess"]
+    assert unpinned_options(["--allow-runtime-dependency-installation"]) == [
+        "--allow-runtime-dependency-installation"]
 
 
 def test_the_reply_wait_ends_when_an_in_process_clientapp_says_it_is_done():

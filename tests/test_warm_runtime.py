@@ -1,53 +1,30 @@
-"""The warm ClientApp runtime serves a FAB from its process only if the FAB ships the code that
-process runs, and a warm silo answers in its SuperNode (the deployment tests run it over gRPC)."""
+"""The silo's ClientApp runtime runs a task only if its FAB ships the app installed on the silo
+(dpcfl_flwr/deploy/app_pin.py): warm in its process, or one flwr-clientapp per message; any
+other FAB is answered with an Error and none of its code runs. tests/test_app_pinning.py does
+the same against real SuperNodes over gRPC."""
 
 from __future__ import annotations
 
 import io
-import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
+from flwr.app import Context, Message, RecordDict
 from flwr.cli.build import build_fab_from_disk
+from flwr.common.constant import ErrorCode, SubStatus
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.supercore.fab import Fab
+from flwr.supercore.run import Run
 
 import dpcfl_flwr
 from dpcfl_flwr.config import parse_node_config
+from dpcfl_flwr.deploy import app_pin, warm_runtime
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
-from dpcfl_flwr.deploy.warm_runtime import (
-    WarmRuntime,
-    fab_matches_this_process,
-    fab_ships_this_process,
-)
+from dpcfl_flwr.deploy.warm_runtime import WarmRuntime
 
-HASH = "a06c43f2" + "0" * 56
 PACKAGE = Path(dpcfl_flwr.__file__).parent
-
-
-def _install_fab(home: Path, fab_hash: str = HASH) -> Path:
-    """Lay out an installed FAB the way Flower's install_from_fab names it."""
-    app = home / "apps" / f"dpcfl.dpcfl-flwr.0.1.0.{fab_hash[:8]}"
-    shutil.copytree(PACKAGE, app / "dpcfl_flwr", ignore=shutil.ignore_patterns("__pycache__"))
-    return app / "dpcfl_flwr"
-
-
-def test_a_fab_with_this_process_code_is_served_warm(tmp_path):
-    _install_fab(tmp_path)
-    assert fab_matches_this_process(HASH, tmp_path)
-
-
-def test_a_fab_with_other_code_is_not_served_warm(tmp_path):
-    shipped = _install_fab(tmp_path)
-    (shipped / "silo.py").write_text((shipped / "silo.py").read_text() + "\n# changed\n")
-    assert not fab_matches_this_process(HASH, tmp_path)
-
-
-def test_a_fab_with_an_extra_module_or_none_installed_is_not_served_warm(tmp_path):
-    assert not fab_matches_this_process(HASH, tmp_path)  # not installed
-    shipped = _install_fab(tmp_path)
-    (shipped / "extra.py").write_text("x = 1\n")
-    assert not fab_matches_this_process(HASH, tmp_path)
+FAB_ID, FAB_VERSION = "dpcfl/dpcfl-flwr", "0.1.0"
 
 
 @pytest.fixture(scope="module")
@@ -67,72 +44,172 @@ def _rewritten(fab: bytes, change) -> bytes:
     return out.getvalue()
 
 
-def test_a_fab_read_in_memory_is_served_warm_only_with_this_process_code(fab):
-    assert fab_ships_this_process(fab)
-    edited = _rewritten(fab, lambda name, data: data + b"\n# changed\n"
-                        if name == "dpcfl_flwr/silo.py" else data)
-    assert not fab_ships_this_process(edited)
-    missing = _rewritten(fab, lambda name, data: None if name.endswith("ledger.py") else data)
-    assert not fab_ships_this_process(missing)
+def _added(fab: bytes, name: str, data: bytes) -> bytes:
     out = io.BytesIO(fab)
     with zipfile.ZipFile(out, "a") as archive:
-        archive.writestr("dpcfl_flwr/extra.py", "x = 1\n")
-    assert not fab_ships_this_process(out.getvalue())
+        archive.writestr(name, data)
+    return out.getvalue()
 
 
-def test_warm_silos_answer_in_the_supernode_without_its_own_superexec():
-    node = parse_node_config({"partition-id": 0})
-    warm = supernode_command(SiloFile(name="s", insecure=True, runtime_port=9123), node)
-    cold = supernode_command(SiloFile(name="s", insecure=True, warm=False), node)
-    assert warm[warm.index("--isolation") + 1] == "process" and "--clientapp-in-process" in warm
-    assert cold[cold.index("--isolation") + 1] == "subprocess"
-    assert "--clientapp-in-process" not in cold
-    assert warm[warm.index("--port") + 1] == "9123"  # the fresh-process path for a new FAB
+def _edited(name: str, edit):
+    return lambda file, data: edit(data) if file == name else data
+
+
+def test_the_fab_built_from_the_installed_package_is_accepted(fab):
+    assert app_pin.refusal(fab) is None
+    assert app_pin.refusal(fab, FAB_ID, FAB_VERSION) is None
+
+
+@pytest.mark.parametrize(("tamper", "reason"), [
+    (lambda fab: _rewritten(fab, _edited("dpcfl_flwr/client_app.py",
+                                         lambda data: data + b"\n# skip the ledger\n")),
+     "its dpcfl_flwr/client_app.py differs from the installed one"),
+    (lambda fab: _rewritten(fab, lambda name, data: None if name.endswith("ledger.py")
+                            else data), "it lacks dpcfl_flwr/privacy/ledger.py"),
+    (lambda fab: _added(fab, "dpcfl_flwr/extra.py", b"x = 1\n"),
+     "it ships dpcfl_flwr/extra.py, which is not a module of the installed package"),
+    # a compiled module next to its source would be imported instead of it
+    (lambda fab: _added(fab, "dpcfl_flwr/silo.cpython-311-x86_64-linux-gnu.so", b"\x7fELF"),
+     "it ships dpcfl_flwr/silo.cpython-311"),
+    # a top-level package would shadow the real one on the app's sys.path
+    (lambda fab: _added(fab, "torch/__init__.py", b"import os\n"), "it ships torch/__init__.py"),
+    (lambda fab: _added(fab, "README.md", b"hello\n"), "it ships README.md"),
+    (lambda fab: _added(fab, "./dpcfl_flwr/silo.py", b"x = 1\n"), "non-canonical name"),
+    (lambda fab: _added(fab, "dpcfl_flwr/silo.py", b"x = 1\n"), "ships dpcfl_flwr/silo.py twice"),
+    (lambda fab: _rewritten(fab, _edited("pyproject.toml", lambda data: data.replace(
+        b'clientapp = "dpcfl_flwr.client_app:app"', b'clientapp = "dpcfl_flwr.silo:app"'))),
+     "its ClientApp is 'dpcfl_flwr.silo:app'"),
+    (lambda fab: _rewritten(fab, _edited("pyproject.toml", lambda data: b"not toml = [")),
+     "its pyproject.toml is not a Flower app's"),
+    (lambda fab: b"not a zip", "not a readable FAB"),
+])
+def test_a_fab_with_other_code_is_refused_with_one_line_saying_why(fab, tamper, reason):
+    refused = app_pin.refusal(tamper(fab))
+    assert refused is not None and reason in refused and "\n" not in refused
+
+
+def test_a_run_that_names_another_app_is_refused(fab):
+    # flwr-clientapp loads the app installed under the run's name, not the FAB's
+    refused = app_pin.refusal(fab, "other/app", FAB_VERSION)
+    assert refused is not None and "the run names app other/app 0.1.0" in refused
 
 
 class Recorded(WarmRuntime):
-    """The runtime's choice of path per task; the paths themselves are the deployment tests'."""
+    """The runtime with Flower's task I/O replaced: what it pulls, runs, pushes and starts."""
 
-    def __init__(self, check_fab) -> None:
-        super().__init__("127.0.0.1:1", app=None, check_fab=check_fab)  # type: ignore[arg-type]
-        self.paths: list[str] = []
+    def __init__(self, fab: bytes, check_fab=None, per_message: bool = False) -> None:
+        super().__init__("127.0.0.1:1", app=self.app_called, check_fab=check_fab,
+                         per_message=per_message, connect=lambda token: _NoClient())
+        self.fab = fab
+        self.answered: list[str] = []  # "app" or "fresh process"
+        self.pushed: list[Message] = []
+        self.statuses: list[tuple[str, str]] = []
 
-    def _run_here(self, token: str) -> None:
-        self.paths.append("warm")
+    def app_called(self, message: Message, context: Context) -> Message:
+        self.answered.append("app")
+        return Message(RecordDict(), reply_to=message)
 
-    def _run_cold(self, token: str) -> None:
-        self.paths.append("cold")
+    def _run_fresh_process(self, token: str) -> None:
+        self.answered.append("fresh process")
 
 
-@pytest.mark.parametrize("verdict, paths", [
-    (True, ["warm", "warm"]),  # this process's code: warm from the first message
-    (False, ["cold", "cold"]),  # other code: a fresh process per message
-    (None, ["cold", "cold"]),  # not readable ahead: cold, then the installed FAB decides
-])
-def test_a_fab_read_ahead_decides_the_path_from_its_first_task(verdict, paths, tmp_path,
-                                                              monkeypatch):
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path))  # nothing installed: cold stays cold
-    checked: list[str] = []
+class _NoClient:
+    def close(self) -> None:
+        pass
 
-    def check(task: Task):
-        checked.append(task.fab_hash)
-        return verdict
 
-    runtime = Recorded(check)
+@pytest.fixture
+def task_io(monkeypatch, task_identity):
+    """Flower's task I/O in the runtime, replaced by the runtime's own records (Recorded)."""
+    task_identity(1, 1, 5)
+    runtimes: list[Recorded] = []
+
+    def pull(client):
+        runtime = runtimes[-1]
+        message = Message(RecordDict(), dst_node_id=5, message_type="query")
+        message.metadata.__dict__["_message_id"] = "m" * 64
+        context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(),
+                          run_config={})
+        run = Run.create_empty(1)
+        run.fab_id, run.fab_version = FAB_ID, FAB_VERSION
+        return message, context, run, Fab(app_pin.fab_hash(runtime.fab), runtime.fab, {})
+
+    monkeypatch.setattr(warm_runtime, "pull_task_input", pull)
+    monkeypatch.setattr(warm_runtime, "push_message",
+                        lambda client, reply, context: runtimes[-1].pushed.append(reply))
+    monkeypatch.setattr(warm_runtime, "push_task_output",
+                        lambda client, context, status, details:
+                        runtimes[-1].statuses.append((status, details)))
+    monkeypatch.setattr(warm_runtime, "HeartbeatSender", _NoHeartbeat)
+
+    def make(*args, **kwargs) -> Recorded:
+        runtimes.append(Recorded(*args, **kwargs))
+        return runtimes[-1]
+    return make
+
+
+class _NoHeartbeat:
+    def __init__(self, beat) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _ahead(fab: bytes):
+    """What direct_runtime.fab_check reads from the SuperNode's state."""
+    return lambda task: (app_pin.fab_hash(fab), app_pin.refusal(fab, FAB_ID, FAB_VERSION))
+
+
+@pytest.mark.parametrize("per_message", [False, True])
+def test_a_trusted_fab_is_answered_warm_or_by_one_process_per_message(fab, task_io,
+                                                                    per_message):
+    runtime = task_io(fab, _ahead(fab), per_message=per_message)
     for _ in range(2):
-        runtime.run(Task(fab_hash=HASH), token="t")
-    assert runtime.paths == paths
-    assert checked == [HASH]  # read once per FAB
+        runtime.run(Task(run_id=1, fab_hash=app_pin.fab_hash(fab)), token="t")
+    assert runtime.answered == ["fresh process" if per_message else "app"] * 2
+    assert runtime.verdicts == {app_pin.fab_hash(fab): None}
 
 
-def test_a_fab_that_cannot_be_read_ahead_falls_back_to_flowers_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
-    _install_fab(tmp_path)  # what the cold path installs: this process's code
+@pytest.mark.parametrize(("per_message", "ahead"), [(False, True), (True, True),
+                                                      (False, False)])
+def test_an_untrusted_fab_gets_an_error_reply_and_none_of_its_code_runs(fab, task_io, caplog,
+                                                                       per_message, ahead):
+    tampered = _added(fab, "dpcfl_flwr/extra.py", b"x = 1\n")
+    runtime = task_io(tampered, _ahead(tampered) if ahead else None, per_message=per_message)
+    with caplog.at_level("ERROR", logger="dpcfl_flwr.deploy.warm_runtime"):
+        for _ in range(2):
+            runtime.run(Task(run_id=1, fab_hash=app_pin.fab_hash(tampered)), token="t")
+    assert runtime.answered == []  # neither the loaded ClientApp nor flwr-clientapp
+    assert [reply.error.code for reply in runtime.pushed] == [ErrorCode.INVALID_FAB] * 2
+    assert "it ships dpcfl_flwr/extra.py" in runtime.pushed[0].error.reason
+    assert [status for status, _ in runtime.statuses] == [SubStatus.FAILED] * 2
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("warm_runtime")]
+    assert len(lines) == 1 and lines[0].startswith(f"refused FAB {app_pin.fab_hash(tampered)[:8]}")
 
+
+def test_a_fab_that_cannot_be_read_ahead_is_refused_not_run(fab, task_io):
     def unreadable(task: Task):
-        raise zipfile.BadZipFile("not a zip")
+        raise LookupError("the SuperNode holds no run 1")
 
-    runtime = Recorded(unreadable)
-    for _ in range(2):
-        runtime.run(Task(fab_hash=HASH), token="t")
-    assert runtime.paths == ["cold", "warm"]
+    runtime = task_io(fab, unreadable, per_message=True)
+    runtime.run(Task(run_id=1, fab_hash="f" * 64), token="t")
+    assert runtime.answered == [] and runtime.pushed[0].error.code == ErrorCode.INVALID_FAB
+
+
+def test_a_per_message_runtime_must_judge_each_fab_before_its_task_runs():
+    with pytest.raises(ValueError, match="must check each FAB"):
+        WarmRuntime("127.0.0.1:1", app=None, per_message=True)
+
+
+def test_every_silo_answers_in_its_supernode_without_flowers_superexec():
+    node = parse_node_config({"partition-id": 0})
+    warm = supernode_command(SiloFile(name="s", insecure=True, runtime_port=9123), node)
+    cold = supernode_command(SiloFile(name="s", insecure=True, warm=False), node)
+    for command, mode in ((warm, "warm"), (cold, "per-message")):
+        assert command[command.index("--isolation") + 1] == "process"
+        assert command[command.index("--clientapp") + 1] == mode
+    assert warm[warm.index("--port") + 1] == "9123"  # flwr-clientapp's way in (per message)

@@ -21,13 +21,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..config import ConfigError
+from ..config import ConfigError, SiloConfig
 from ..data import Topology
 from ..simulation import _toml_value
+from . import app_pin
 from .certs import make_certificates
 from .compose import ComposeOptions, compose_yaml, silo_files
 from .silo_file import (
     check_silo,
+    deployed_settings,
     flower_tool,
     load_silo_file,
     supernode_command,
@@ -185,16 +187,27 @@ def client(
     warm: bool = typer.Option(
         None, "--warm/--process-per-message",
         help="Default: warm, the SuperNode's own process answers all messages with one "
-             "loaded ClientApp; --process-per-message: Flower's fresh process for each."),
+             "loaded ClientApp; --process-per-message: a fresh flwr-clientapp for each. "
+             "Either way only for a FAB that ships the app installed here."),
     runtime_port: int = typer.Option(None, "--runtime-port"),
     idle_poll: float = typer.Option(
         None, "--idle-poll",
         help="Seconds between SuperLink polls when idle (default 0.5; Flower's own: 3)."),
     partition_id: int = typer.Option(None, "--partition-id"),
-    epsilon: float = typer.Option(None, "--epsilon"),
-    delta: float = typer.Option(None, "--delta"),
-    ledger_path: Path = typer.Option(None, "--ledger-path"),
+    epsilon: float = typer.Option(None, "--epsilon", help="Required (file or flag)."),
+    delta: float = typer.Option(None, "--delta", help="Required (file or flag)."),
+    ledger_path: Path = typer.Option(None, "--ledger-path", help="Required (file or flag)."),
     data_dir: Path = typer.Option(None, "--data-dir"),
+    dataset: str = typer.Option(None, "--dataset"),
+    clusters: str = typer.Option(None, "--clusters", help="The topology, e.g. 3,6,6,6."),
+    shift: str = typer.Option(None, "--shift"),
+    samples_per_client: int = typer.Option(None, "--samples-per-client"),
+    val_fraction: float = typer.Option(None, "--val-fraction"),
+    test_samples: int = typer.Option(None, "--test-samples"),
+    data_draw: str = typer.Option(None, "--data-draw"),
+    data_seed: int = typer.Option(None, "--data-seed"),
+    metrics: str = typer.Option(None, "--metrics", help="private (default) or exact."),
+    metrics_noise: float = typer.Option(None, "--metrics-noise"),
     true_cluster: int = typer.Option(None, "--true-cluster"),
     threads: int = typer.Option(None, "--threads"),
     device: str = typer.Option(None, "--device"),
@@ -204,7 +217,8 @@ def client(
              "holds the old session until its heartbeat expires, ~60 s); 0: give up at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print, start nothing."),
 ) -> None:
-    """Launch one silo: a flower-supernode that trains with this silo's own budget."""
+    """Launch one silo: a flower-supernode that trains with this silo's own budget, ledger and
+    records, and runs only the app installed here."""
     def absolute(path: Path | None) -> str | None:  # flags are relative to the working dir
         return str(path.expanduser().resolve()) if path else None
 
@@ -215,30 +229,26 @@ def client(
     node = {k: v for k, v in {
         "partition-id": partition_id, "epsilon": epsilon, "delta": delta,
         "ledger-path": absolute(ledger_path), "data-dir": absolute(data_dir),
-        "true-cluster": true_cluster,
+        "dataset": dataset, "clusters": clusters, "shift": shift,
+        "samples-per-client": samples_per_client, "val-fraction": val_fraction,
+        "test-samples": test_samples, "data-draw": data_draw, "data-seed": data_seed,
+        "metrics": metrics, "metrics-noise": metrics_noise, "true-cluster": true_cluster,
         "threads": threads, "device": device}.items() if v is not None}
     try:
         silo, node_config = load_silo_file(silo_file, overrides, node)
     except ConfigError as exc:
         _stop([str(exc)])
         return
-    if not node_config.ledger_path:
-        default = Path.home() / ".dpcfl" / "ledgers" / f"{silo.name}.json"
-        silo, node_config = load_silo_file(silo_file, overrides,
-                                           {**node, "ledger-path": str(default)})
     _stop_if(check_silo(silo, node_config))
     command = supernode_command(silo, node_config)
-    budget = (f"eps={node_config.epsilon}, delta={node_config.delta}"
-              if node_config.epsilon else "from the run config")
     _print_plan(f"silo {silo.name}", {
         "SuperLink (gRPC)": silo.superlink,
         "TLS": "off (insecure)" if silo.insecure else f"on, CA {silo.root_certificates}",
         "node authentication": silo.auth_private_key or "off",
-        "partition": str(node_config.partition_id), "budget": budget,
-        "ledger": node_config.ledger_path, "device / threads":
-            f"{node_config.device} / {node_config.threads or 'run config'}",
+        **_silo_plan(deployed_settings(node_config)),
         "ClientApp": "warm (in the SuperNode's process, for all messages)" if silo.warm
-        else "one per message (Flower's SuperExec)",
+        else "one flwr-clientapp process per message",
+        "app": f"pinned: only a FAB that ships the code installed in {app_pin.PACKAGE} runs",
         "SuperLink poll when idle": f"every {silo.idle_poll:g} s",
         "command": " ".join(command)})
     if dry_run:
@@ -246,6 +256,26 @@ def client(
     sys.stdout.flush()
     use_this_environment()
     raise typer.Exit(code=_supervise(command, rejoin_wait))
+
+
+def _silo_plan(node: SiloConfig) -> dict[str, str]:
+    """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)."""
+    topology = node.topology
+    cluster = (node.true_cluster if node.true_cluster >= 0
+               else topology.cluster_of(node.partition_id))
+    test = node.test_samples or "the dataset's default"
+    return {
+        "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}",
+        "ledger": node.ledger_path,
+        "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
+                   f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
+                   f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
+                   f"data seed {node.data_seed}" + (f", from {node.data_dir}"
+                                                    if node.data_dir else ""),
+        "metrics reported": f"private (noise multiplier {node.metrics_noise:g}, charged)"
+        if node.metrics == "private" else "exact (for a trusted server only)",
+        "device / threads": f"{node.device} / {node.threads}",
+    }
 
 
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
@@ -326,17 +356,33 @@ def topology_compose(
 
 @topology_app.command("silos")
 def topology_silos(
-    clusters: str = typer.Option("3,6,6,6", "--clusters"),
+    clusters: str = typer.Option(None, "--clusters",
+                                 help="Default: the run config's (3,6,6,6 without one)."),
     out: Path = typer.Option(Path("clients"), "--out"),
     superlink: str = typer.Option("127.0.0.1:9092", "--superlink"),
-    epsilon: float = typer.Option(10.0, "--epsilon"),
+    config: Path = typer.Option(
+        None, "--config", exists=True, dir_okay=False,
+        help="A run config (e.g. examples/quick.toml): each silo gets the budget and the "
+             "records it would have in that run's simulation. Default: the code's defaults."),
+    overrides: list[str] = typer.Option(None, "--set", help="Run-config key=value."),
+    epsilon: float = typer.Option(None, "--epsilon", help="Default: the run config's."),
     runtime_port_base: int = typer.Option(9100, "--runtime-port-base",
                                           help="Silo i uses runtime port base + i."),
 ) -> None:
-    """Write one silo file per client of a topology (clients/silo-NN.toml)."""
+    """Write one silo file per client of a topology (clients/silo-NN.toml): each with its own
+    budget, ledger path and data split."""
+    from ..simulation import load_config, parse_override
+
     try:
-        files = silo_files(Topology.parse(clusters), superlink, epsilon, runtime_port_base)
-    except ValueError as exc:
+        values = dict(parse_override(o) for o in overrides or [])
+        if epsilon is not None:
+            values["epsilon"] = epsilon
+        if clusters is not None:
+            values["clusters"] = clusters
+        experiment = load_config(config, values)
+        files = silo_files(Topology.parse(experiment.clusters), superlink, runtime_port_base,
+                           experiment)
+    except (ValueError, OSError) as exc:
         _stop([str(exc)])
         return
     out.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,9 @@ Services (one image for all of them, ``docker/Dockerfile``):
   silo into the ``certs`` volume, once (later starts keep them);
 - ``superlink``: ``dpcfl server`` with TLS and node authentication, registers every silo key;
   its ServerApp processes write the results to ``./results``;
-- ``silo-NN``: ``dpcfl client`` per silo of the topology, each with its own silo file, node key
-  and ledger volume (its budget survives container restarts);
+- ``silo-NN``: ``dpcfl client`` per silo of the topology, each with its own silo file (budget,
+  ledger and data split of its own), node key and ledger volume (its budget survives container
+  restarts);
 - ``serverapp``: submits the run (``dpcfl submit`` = ``flwr run``) once the silos are up.
 
 Profiles: ``cpu`` (the default, set in ``.env``), ``gpu`` (each silo its own GPU, ``cuda``
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..config import ExperimentConfig, parse_run_config
 from ..data import Topology
 
 IMAGE = "dpcfl-flwr:0.1.0"
@@ -38,12 +40,32 @@ def silo_name(index: int) -> str:
     return f"silo-{index:02d}"
 
 
-def silo_file_text(topology: Topology, index: int, superlink: str, epsilon: float,
-                   runtime_port: int) -> str:
+def silo_split(experiment: ExperimentConfig, topology: Topology) -> dict[str, object]:
+    """A silo's node-config keys for the records ``experiment`` gives it in simulation (its
+    dataset, topology and split, drawn with the run's seed), and its reporting policy: private
+    metrics. Everything a deployed silo would otherwise take from the code's defaults."""
+    return {"dataset": experiment.dataset, "clusters": str(topology), "shift": experiment.shift,
+            "samples-per-client": experiment.samples_per_client,
+            "val-fraction": experiment.val_fraction, "test-samples": experiment.test_samples,
+            "data-draw": experiment.data_draw, "data-seed": experiment.seed,
+            "metrics": "private", "metrics-noise": experiment.metrics_noise}
+
+
+def _toml(value: object) -> str:
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def silo_file_text(topology: Topology, index: int, superlink: str, runtime_port: int,
+                   experiment: ExperimentConfig) -> str:
+    """Silo ``index``'s file: its budget (``experiment``'s epsilon and delta), ledger and the
+    split ``experiment`` would give it (:func:`silo_split`)."""
     name, cluster = silo_name(index), topology.cluster_of(index)
     role = "minority" if cluster == topology.minority_cluster() else "majority"
+    split = "\n".join(f"{key} = {_toml(value)}"
+                      for key, value in silo_split(experiment, topology).items())
     return f'''# {name}: client {index} of topology {{{topology}}}, true cluster {cluster} ({role}).
 # Launch with `dpcfl client clients/{name}.toml` (paths are relative to this file).
+# Its budget, ledger and records are its own: the server's run config never changes them.
 name = "{name}"
 superlink = "{superlink}"
 root-certificates = "../certs/ca.crt"
@@ -53,20 +75,23 @@ runtime-port = {runtime_port}
 
 [node]
 partition-id = {index}
-num-partitions = {topology.num_clients}
-true-cluster = {cluster}
-epsilon = {epsilon!r}
-delta = 1e-4
+epsilon = {experiment.epsilon!r}
+delta = {experiment.delta!r}
 ledger-path = "../ledgers/{name}.json"
+{split}
 threads = 1
 device = "cpu"
 '''
 
 
 def silo_files(topology: Topology, superlink: str = "127.0.0.1:9092",
-               epsilon: float = 10.0, runtime_port_base: int = 9100) -> dict[str, str]:
-    return {silo_name(i): silo_file_text(topology, i, superlink, epsilon,
-                                         runtime_port_base + i)
+               runtime_port_base: int = 9100,
+               experiment: ExperimentConfig | None = None) -> dict[str, str]:
+    """One silo file per client of ``topology``; ``experiment`` (default: the code's defaults,
+    which are the quick example's) gives their budget and split."""
+    experiment = experiment or parse_run_config({})
+    return {silo_name(i): silo_file_text(topology, i, superlink, runtime_port_base + i,
+                                         experiment)
             for i in range(topology.num_clients)}
 
 
@@ -76,13 +101,17 @@ def _list(items: list[str], indent: int) -> str:
     return "\n".join(f"{pad}- {json.dumps(item)}" for item in items)
 
 
-def _silo_service(index: int, profile: str, prefix: str, gpu: int | None) -> str:
+def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
+                  clusters: Topology | None = None) -> str:
+    """``clusters``: the topology when it is not the silo files' (the laptop profile's)."""
     name = silo_name(index)
     service = f"{prefix}{name}"
     command = ["dpcfl", "client", f"/app/clients/{name}.toml", "--superlink",
                f"superlink:{FLEET_PORT}", "--root-certificates", "/certs/ca.crt",
                "--auth-private-key", f"/certs/nodes/{name}", "--ledger-path",
                f"/ledgers/{name}.json", "--runtime-port", "9094"]
+    if clusters is not None:
+        command += ["--clusters", str(clusters)]
     if gpu is not None:
         command += ["--device", "cuda:0"]
     text = f'''  {service}:
@@ -201,8 +230,8 @@ services:
                                            ("laptop", "laptop-", small, False)):
         names = []
         for i in range(topology.num_clients):
-            parts.append(_silo_service(i, profile, prefix,
-                                       i % options.gpus if gpu else None))
+            parts.append(_silo_service(i, profile, prefix, i % options.gpus if gpu else None,
+                                       None if topology == full else topology))
             names.append(f"{prefix}{silo_name(i)}")
             volumes.append(f"{prefix}{silo_name(i)}-ledger")
         parts.append(_runner(profile, prefix, topology, names))

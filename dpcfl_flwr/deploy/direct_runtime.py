@@ -52,7 +52,8 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.nodestate import NodeState, NodeStateFactory
 from flwr.supernode.servicer.runtime import runtime_handlers as handlers
 
-from .warm_runtime import WOKEN_POLL_SECONDS, WarmRuntime, fab_ships_this_process
+from . import app_pin
+from .warm_runtime import WOKEN_POLL_SECONDS, FabCheck, WarmRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -133,14 +134,20 @@ def direct_link(state_factory: NodeStateFactory) -> Callable[[str | None], Runti
     return lambda token: cast(RuntimeHttpClient, DirectRuntimeClient(state_factory, token))
 
 
-def fab_check(state_factory: NodeStateFactory) -> Callable[[Task], bool | None]:
-    """For :class:`~.warm_runtime.WarmRuntime`: whether a task's FAB, read from the SuperNode's
-    state without taking the task, ships this process's code (None: not in the state)."""
-    def check(task: Task) -> bool | None:
+def fab_check(state_factory: NodeStateFactory) -> FabCheck:
+    """For :class:`~.warm_runtime.WarmRuntime`: a task's FAB, read from the SuperNode's state
+    without taking the task, and why it must not run here (None: it is the installed app,
+    :mod:`.app_pin`). A run or FAB the state does not hold raises (the task is refused)."""
+    def check(task: Task) -> tuple[str, str | None]:
         state = state_factory.state()
         run = state.get_run(task.run_id)
-        fab = state.get_fab(run.fab_hash) if run is not None else None
-        return None if fab is None else fab_ships_this_process(fab.content)
+        if run is None:
+            raise LookupError(f"the SuperNode holds no run {task.run_id}")
+        fab = state.get_fab(run.fab_hash)
+        if fab is None:
+            raise LookupError(f"the SuperNode holds no FAB {run.fab_hash}")
+        return (app_pin.fab_hash(fab.content),
+                app_pin.refusal(fab.content, run.fab_id, run.fab_version))
     return check
 
 
@@ -166,26 +173,27 @@ def serve_or_stop(runtime: WarmRuntime) -> None:
 
 
 def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[], ClientApp],
-                       reply_stored: threading.Event) -> None:
+                       reply_stored: threading.Event, per_message: bool = False) -> None:
     """Make Flower's ``flower-supernode`` (modules ``cli`` and ``loop``) answer its ClientApp
-    tasks in its own process.
+    tasks from its own process, each only if its FAB is the app installed here.
 
-    Once the SuperNode has its state and Runtime API (which stays up for Flower's fresh-process
-    path, taken by a FAB whose code is not this process's, see :mod:`.warm_runtime`), a daemon
-    thread runs :class:`~.warm_runtime.WarmRuntime` on a :class:`DirectRuntimeClient`, with the
-    FABs read from the SuperNode's state. It is woken as soon as the loop has stored a message,
-    and sets ``reply_stored`` when a task is done, for the loop's reply wait (see
-    :mod:`.supernode_launcher`).
+    Once the SuperNode has its state and Runtime API, a daemon thread runs
+    :class:`~.warm_runtime.WarmRuntime` on a :class:`DirectRuntimeClient`, with the FABs read
+    from the SuperNode's state: warm, or with ``per_message`` a fresh ``flwr-clientapp`` per
+    trusted task (which reaches the Runtime API over HTTP). It is woken as soon as the loop
+    has stored a message, and sets ``reply_stored`` when a task is done, for the loop's reply
+    wait (see :mod:`.supernode_launcher`).
     """
     start_api = getattr(cli, "_start_supernode_http_api")  # noqa: B009 - Flower 1.39's
     pull_and_store = getattr(loop, "_pull_and_store_message")  # noqa: B009
 
     def start_api_and_runtime(config: Any, state_factory: NodeStateFactory) -> Any:
         started = start_api(config, state_factory)
-        runtime = WarmRuntime(runtime_api_address(config.host, config.port), load_app(),
-                              WOKEN_POLL_SECONDS, connect=direct_link(state_factory),
+        runtime = WarmRuntime(runtime_api_address(config.host, config.port),
+                              None if per_message else load_app(), WOKEN_POLL_SECONDS,
+                              connect=direct_link(state_factory),
                               on_task_done=reply_stored.set,
-                              check_fab=fab_check(state_factory))
+                              check_fab=fab_check(state_factory), per_message=per_message)
 
         def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
             run_id = pull_and_store(*args, **kwargs)
@@ -196,7 +204,9 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
         setattr(loop, "_pull_and_store_message", pull_store_and_wake)  # noqa: B010
         threading.Thread(target=serve_or_stop, args=(runtime,), name="dpcfl-clientapp",
                          daemon=True).start()
-        logger.info("ClientApp tasks are answered in the SuperNode's process")
+        logger.info("ClientApp tasks are answered %s, for FABs that ship the installed app only",
+                    "by one flwr-clientapp process each" if per_message
+                    else "in the SuperNode's process")
         return started
 
     setattr(cli, "_start_supernode_http_api", start_api_and_runtime)  # noqa: B010

@@ -8,22 +8,36 @@ auth-private-key = "../certs/nodes/silo-00" # node authentication (OpenSSH EC ke
 insecure = false                            # true only for local experiments, never by default
 runtime-port = 9100                         # this silo's ClientApp runtime port on its host
 warm = true                                 # the SuperNode answers all messages itself with
-                                            # one loaded ClientApp (false: Flower's fresh
-                                            # process per message)
+                                            # one loaded ClientApp (false: a fresh
+                                            # flwr-clientapp per message); either way only for
+                                            # a FAB that ships the app installed here
 idle-poll = 0.5                             # seconds between SuperLink polls when idle
                                             # (Flower's own SuperNode waits 3)
 
 [node]                                      # read by the ClientApp (dpcfl_flwr.config.SiloConfig)
 partition-id = 0
 true-cluster = 0                            # evaluation only
-epsilon = 10.0
-delta = 1e-4
-ledger-path = "../ledgers/silo-00.json"
+epsilon = 10.0                              # required: the silo's budget ...
+delta = 1e-4                                # ... both parts of it
+ledger-path = "../ledgers/silo-00.json"     # required: where its spending is recorded
+dataset = "fmnist"                          # its records: never taken from the server
+clusters = "3,6,6,6"
+shift = "rotation"
+samples-per-client = 500
+val-fraction = 0.25
+test-samples = 0
+data-draw = "authors"
+data-seed = 0
+metrics = "private"                         # what it reports: noised and charged
+metrics-noise = 10.0
 threads = 1
 device = "cpu"
 ```
 
-Relative paths are relative to the file. Everything is checked before anything starts.
+``epsilon``, ``delta`` and ``ledger-path`` must be set (``dpcfl client`` refuses to start
+without them, and so does the ClientApp); an unset split or reporting key takes the default
+written in :class:`~dpcfl_flwr.config.SiloConfig`, never the run config's. Relative paths are
+relative to the file. Everything is checked before anything starts.
 """
 
 from __future__ import annotations
@@ -42,7 +56,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
-from ..config import ConfigError, SiloConfig, _Config, _one_line, parse_node_config
+from ..config import (
+    ConfigError,
+    SiloConfig,
+    _Config,
+    _one_line,
+    parse_node_config,
+    parse_run_config,
+)
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
@@ -112,9 +133,20 @@ def load_silo_file(path: Path | None, overrides: Mapping[str, Any],
     return silo, parse_node_config(silo.node)
 
 
+def deployed_settings(node: SiloConfig) -> SiloConfig:
+    """What the deployed ClientApp will use: ``node`` with every unset key at the code's
+    default; raises :class:`ConfigError` (one line naming the missing keys) without a budget
+    or ledger of the silo's own."""
+    return node.resolved(parse_run_config({}), trust_run_config=False)
+
+
 def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
     """Everything that would stop the silo, as messages for people (empty: ready)."""
     problems = []
+    try:
+        deployed_settings(node)
+    except ConfigError as exc:
+        problems.append(str(exc))
     if silo.insecure and silo.root_certificates:
         problems.append("insecure = true and root-certificates are both set: choose one")
     if not silo.insecure and not silo.root_certificates:
@@ -214,15 +246,15 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
     """The ``flower-supernode`` command line of this silo (gRPC Fleet API, flwr 1.39), run
     through :mod:`.supernode_launcher` so that an idle silo polls every ``idle-poll`` seconds.
 
-    A warm silo's SuperNode starts no SuperExec of its own (``--isolation process``): it
-    answers its ClientApp tasks in its own process (:mod:`.direct_runtime`).
+    The SuperNode starts no SuperExec of its own (``--isolation process``): it answers its
+    ClientApp tasks itself, warm or with one ``flwr-clientapp`` per message, and only for FABs
+    that ship the app installed here (:mod:`.direct_runtime`, :mod:`.app_pin`).
     """
     command = [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher",
-               *(["--clientapp-in-process"] if silo.warm else []),
+               "--clientapp", "warm" if silo.warm else "per-message",
                "--idle-poll", f"{silo.idle_poll:g}", "--superlink", silo.superlink, "--grpc-rere",
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
-               "--isolation", "process" if silo.warm else "subprocess",
-               "--node-config", node_config_text(node)]
+               "--isolation", "process", "--node-config", node_config_text(node)]
     if silo.insecure:
         command.append("--insecure")
     else:

@@ -1,4 +1,4 @@
-"""``flower-supernode`` with shorter waits between its SuperLink polls.
+"""``flower-supernode`` that runs only the installed app, with shorter waits between polls.
 
 Flower 1.39's SuperNode loop sleeps a fixed 3 s whenever a poll of the SuperLink brings no
 message, and checks every 0.5 s whether its ClientApp has replied
@@ -15,16 +15,21 @@ against Flower's own SuperLink it polls every ``--idle-poll`` seconds. Everythin
 
 The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
 for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
-was written against and otherwise runs the SuperNode with Flower's own waits and says so.
+was written against (the launcher starts no SuperNode of another version, see below).
 
-With ``--clientapp-in-process`` (what a warm silo runs, flwr 1.39.0 only) the SuperNode also
-answers its ClientApp tasks in its own process (:mod:`.direct_runtime`); its reply wait then
-ends as soon as the task is done, and between checks it waits Flower's 0.5 s, a safety net
-only (checking every 0.1 s through a 3 s round woke the loop 30 times per message, ~4 ms of
-CPU, bench/RESULTS.md). The SuperNode's local Runtime API (uvicorn) ticks once a second
-instead of ten times, and its gRPC channel goes without the connectivity subscription Flower
-makes only to log changes at DEBUG (gRPC polls the channel five times a second for it): 21
-idle silos' ticks and polls were CPU that the training silos on the same cores did not get.
+The SuperNode answers its ClientApp tasks from its own process (:mod:`.direct_runtime`, flwr
+1.39.0 only; the launcher refuses to start on another version), for FABs that ship the app
+installed on the silo only (:mod:`.app_pin`): ``--clientapp warm`` (the default) with one
+ClientApp loaded in the process, ``--clientapp per-message`` with a fresh ``flwr-clientapp``
+per trusted task. Flower's SuperExec, which would run any FAB's code, is never started (the
+SuperNode runs with ``--isolation process``; ``--isolation subprocess`` and runtime
+dependency installation are refused). Its reply wait ends as soon as the task is done, and
+between checks it waits Flower's 0.5 s, a safety net only (checking every 0.1 s through a 3 s
+round woke the loop 30 times per message, ~4 ms of CPU, bench/RESULTS.md). The SuperNode's
+local Runtime API (uvicorn) ticks once a second instead of ten times, and its gRPC channel
+goes without the connectivity subscription Flower makes only to log changes at DEBUG (gRPC
+polls the channel five times a second for it): 21 idle silos' ticks and polls were CPU that
+the training silos on the same cores did not get.
 
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
@@ -32,8 +37,8 @@ channel's finaliser could block the interpreter's shutdown for good (seen here: 
 SuperNodes stuck in ``Channel.__del__`` after a deployment was torn down, and Flower's own
 force-exit thread cannot run once the interpreter is finalising).
 
-  python -m dpcfl_flwr.deploy.supernode_launcher [--clientapp-in-process] [--idle-poll 0.5]
-      <flower-supernode arguments>
+  python -m dpcfl_flwr.deploy.supernode_launcher [--clientapp warm|per-message]
+      [--idle-poll 0.5] <flower-supernode arguments>
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -147,12 +152,25 @@ def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK)
 
 
 def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(our options: --idle-poll, --clientapp-in-process; the rest, in order, for
-    flower-supernode)."""
+    """(our options: --idle-poll, --clientapp; the rest, in order, for flower-supernode)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL)
-    parser.add_argument("--clientapp-in-process", action="store_true")
+    parser.add_argument("--clientapp", choices=("warm", "per-message"), default="warm")
     return parser.parse_known_args(list(argv))
+
+
+def unpinned_options(flower_arguments: Sequence[str]) -> list[str]:
+    """The ``flower-supernode`` options that would let code other than the installed app run
+    (Flower's SuperExec runs any FAB; dependency installation runs any package's build)."""
+    found = [argument for argument in flower_arguments
+             if argument.startswith("--allow-runtime-dependency-installation")]
+    for i, argument in enumerate(flower_arguments):
+        value = (argument.partition("=")[2] if argument.startswith("--isolation=") else
+                 flower_arguments[i + 1] if argument == "--isolation"
+                 and i + 1 < len(flower_arguments) else None)
+        if value is not None and value != "process":
+            found.append(f"--isolation {value}")
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -162,32 +180,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flwr.supernode.cli import flower_supernode
 
     options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
+    if flwr.__version__ != PATCHED_FLOWER:
+        _refuse(f"the app pin needs flwr {PATCHED_FLOWER}'s SuperNode, not {flwr.__version__}")
+    if unpinned := unpinned_options(rest):
+        _refuse(f"{', '.join(unpinned)} would run code other than the installed app")
     slow_runtime_api_tick(uvicorn.Server)
     skip_connectivity_watch(importlib.import_module("flwr.client.grpc_rere_client.connection"),
                             flwr.__version__)
-    idle_poll = options.idle_poll
-    if options.clientapp_in_process and flwr.__version__ != PATCHED_FLOWER:
-        print(f"dpcfl: --clientapp-in-process needs flwr {PATCHED_FLOWER}, not "
-              f"{flwr.__version__}", file=sys.stderr, flush=True)
-        os._exit(2)
-    reply_stored = threading.Event() if options.clientapp_in_process else None
-    if shorten_waits(loop, flwr.__version__, idle_poll, reply_stored):
-        print(f"dpcfl: SuperNode polls the SuperLink every {idle_poll:g} s when idle "
-              f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
-    else:
-        print(f"dpcfl: flwr {flwr.__version__} is not {PATCHED_FLOWER}; the SuperNode keeps "
-              "Flower's own poll waits", file=sys.stderr, flush=True)
-    if reply_stored is not None:
-        cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+    reply_stored = threading.Event()
+    shorten_waits(loop, flwr.__version__, options.idle_poll, reply_stored)
+    print(f"dpcfl: SuperNode polls the SuperLink every {options.idle_poll:g} s when idle "
+          f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
 
-        from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (warm silos only)
-        _show_our_logs()
-        serve_in_supernode(cli, loop, _load_client_app, reply_stored)
-    sys.argv = ["flower-supernode", *rest]
+    from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (reads the installed app)
+    _show_our_logs()
+    serve_in_supernode(cli, loop, _load_client_app, reply_stored,
+                       per_message=options.clientapp == "per-message")
+    sys.argv = ["flower-supernode", "--isolation", "process", *rest]
     code = exit_code_of(flower_supernode)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # not the interpreter's shutdown: see the module docstring
+
+
+def _refuse(reason: str) -> NoReturn:
+    print(f"dpcfl: cannot start this silo: {reason}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def _show_our_logs() -> None:

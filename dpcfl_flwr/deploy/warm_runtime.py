@@ -1,38 +1,38 @@
-"""A silo's ClientApp kept warm: one loaded ClientApp answers all of a run's messages.
+"""A silo's ClientApp runtime: every task of its SuperNode, answered by trusted code only.
 
-Flower 1.39's SuperExec starts a fresh ``flwr-clientapp`` process for every message: a new
-interpreter, torch and Flower imports, the FAB unpacked and the silo's data read again. On the
-quick example that start-up was ~95% of a gRPC round (bench/RESULTS.md, "Framework overhead").
-:class:`WarmRuntime` takes the SuperExec's place next to ``flower-supernode --isolation
-process``: it acquires the SuperNode's tasks over the Runtime API and runs each one with
-Flower's own task I/O (``flwr.supernode.runtime.run_clientapp``), so the imports, the loaded
-ClientApp and the silo's cached data outlive a message. The Context (with the ledger record)
-still arrives with every task, and the ledger on disk is written exactly as before. A silo
-runs it inside its SuperNode's process (:mod:`.direct_runtime`, what ``dpcfl client`` starts);
-``python -m dpcfl_flwr.deploy.warm_runtime`` runs it as a process of its own, over the
-SuperNode's local HTTP API.
+Flower 1.39's SuperExec starts a fresh ``flwr-clientapp`` process for every message, and that
+process runs whatever code the FAB ships; the FAB comes from the server, which a silo does not
+trust. :class:`WarmRuntime` takes the SuperExec's place next to ``flower-supernode --isolation
+process``: it acquires the SuperNode's tasks over the Runtime API and first checks each task's
+FAB against the app installed on the silo (:mod:`.app_pin`). A task whose FAB ships other code
+is refused: its message is answered with an Error (``INVALID_FAB``, the reason) and nothing of
+the FAB runs. A trusted task is answered
 
-Serving a FAB's messages with modules imported here is only right when they are the FAB's own
-code: a FAB is served warm only if its ``dpcfl_flwr`` sources are byte-identical to the ones
-this process runs, and goes through Flower's cold path otherwise. Where the runtime can read
-the FAB before taking the task (in the SuperNode's process, from its state: ``check_fab``), it
-compares the FAB's files in memory, so a matching FAB is served warm from its first message;
-otherwise the first task of every FAB takes the cold path (which installs the FAB) and the
-installed files are compared after it.
+- warm (the default): with Flower's own task I/O (``flwr.supernode.runtime.run_clientapp``)
+  by the ClientApp loaded in this process, so imports, the loaded ClientApp and the silo's
+  cached data outlive a message. On the quick example the per-message start-up of a fresh
+  process was ~95% of a gRPC round (bench/RESULTS.md, "Framework overhead");
+- or per message (``per_message=True``): by Flower's ``flwr-clientapp``, started for that one
+  task, which installs the FAB (now known to be the installed code) and runs it.
+
+The Context (with the ledger record) still arrives with every task, and the ledger on disk is
+written exactly as before. A silo runs the runtime inside its SuperNode's process
+(:mod:`.direct_runtime`, what ``dpcfl client`` starts), where the FAB is read from the
+SuperNode's state before the task is taken; ``python -m dpcfl_flwr.deploy.warm_runtime`` runs
+a warm runtime as a process of its own, over the SuperNode's local HTTP API, and checks the FAB
+that comes with the task's input before the ClientApp sees the message.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import logging
+import os
 import subprocess
 import threading
 import time
-import zipfile
 from collections.abc import Callable
-from pathlib import Path
 
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
@@ -49,15 +49,13 @@ from flwr.supercore.interceptors import (
 from flwr.supercore.protobuf.client import ProtobufClientInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supercore.utils import get_flwr_home
 from flwr.supernode.runtime.run_clientapp import (
     pull_task_input,
     push_message,
     push_task_output,
 )
 
-import dpcfl_flwr
-
+from . import app_pin
 from .silo_file import flower_tool
 
 logger = logging.getLogger(__name__)
@@ -68,43 +66,14 @@ logger = logging.getLogger(__name__)
 # 10 Hz took about a third of this 2-core machine.
 DEFAULT_POLL_SECONDS = 1.0
 WOKEN_POLL_SECONDS = 10.0
-
-
-def _sources(package: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(package)): path.read_bytes()
-            for path in sorted(package.rglob("*.py"))}
-
-
-# Read when this process starts, before the ClientApp's modules are imported: what it runs.
-_PACKAGE = Path(dpcfl_flwr.__file__).parent
-PACKAGE_NAME = _PACKAGE.name
-_RUNNING_SOURCES = _sources(_PACKAGE)
-
-
-def fab_ships_this_process(fab: bytes) -> bool:
-    """Whether the FAB archive ``fab`` ships exactly the ClientApp code running here."""
-    prefix = f"{PACKAGE_NAME}/"
-    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
-        shipped = {name[len(prefix):]: archive.read(name) for name in archive.namelist()
-                   if name.startswith(prefix) and name.endswith(".py")}
-    return shipped == _RUNNING_SOURCES
-
-
-def fab_matches_this_process(fab_hash: str, flwr_home: Path | None = None) -> bool:
-    """Whether the installed FAB ``fab_hash`` ships exactly the ClientApp code running here."""
-    home = flwr_home or get_flwr_home()
-    installed = sorted((home / "apps").glob(f"*.{fab_hash[:FAB_HASH_TRUNCATION]}"))
-    if len(installed) != 1:
-        return False
-    shipped = installed[0] / PACKAGE_NAME
-    return shipped.is_dir() and _sources(shipped) == _RUNNING_SOURCES
-
+REFUSED = "refused FAB"  # how every refusal line starts (the deployment tests look for it)
 
 # token (None: the SuperExec's own, task-less calls) -> a Runtime API client for it (Flower's
 # HTTP client, or one with its methods: direct_runtime.DirectRuntimeClient)
 Connect = Callable[[str | None], RuntimeHttpClient]
-# a task -> whether its FAB ships this process's code (None: cannot tell before taking it)
-FabCheck = Callable[[Task], bool | None]
+# a task -> (its FAB's hash, why that FAB must not run here or None), read without taking the
+# task (direct_runtime.fab_check)
+FabCheck = Callable[[Task], tuple[str, str | None]]
 
 
 def http_link(address: str) -> Connect:
@@ -121,20 +90,29 @@ def http_link(address: str) -> Connect:
 
 
 class WarmRuntime:
-    """Acquire a SuperNode's ClientApp tasks and run them in this process (see module doc)."""
+    """Acquire a SuperNode's ClientApp tasks; refuse those whose FAB is not the installed app,
+    answer the others in this process or, ``per_message``, in a fresh ``flwr-clientapp``
+    (see module doc). ``per_message`` needs ``check_fab``: the FAB must be judged before
+    ``flwr-clientapp`` takes the task."""
 
-    def __init__(self, runtime_api_address: str, app: ClientApp,
+    def __init__(self, runtime_api_address: str, app: ClientApp | None,
                  poll_seconds: float = DEFAULT_POLL_SECONDS,
                  connect: Connect | None = None,
                  on_task_done: Callable[[], None] | None = None,
-                 check_fab: FabCheck | None = None) -> None:
+                 check_fab: FabCheck | None = None,
+                 per_message: bool = False) -> None:
+        if per_message and check_fab is None:
+            raise ValueError("a per-message runtime must check each FAB before its task runs")
+        if not per_message and app is None:
+            raise ValueError("a warm runtime needs its ClientApp")
         self.address = runtime_api_address
         self.app = app
         self.poll_seconds = poll_seconds
         self.connect: Connect = connect or http_link(runtime_api_address)
         self.on_task_done = on_task_done  # e.g. wake the SuperNode to send the reply
         self.check_fab = check_fab
-        self.warm_fabs: dict[str, bool] = {}  # fab hash -> served warm
+        self.per_message = per_message
+        self.verdicts: dict[str, str | None] = {}  # FAB hash -> refusal (None: trusted)
         self.wake = threading.Event()  # set when the SuperNode has a message for this silo
 
     def serve(self) -> None:
@@ -159,41 +137,48 @@ class WarmRuntime:
                 self.on_task_done()
 
     def _run(self, task: Task, token: str) -> None:
-        if task.fab_hash not in self.warm_fabs:
-            verdict = self._check_ahead(task)
-            if verdict is not None:
-                self._judged(task.fab_hash, verdict)
-        if self.warm_fabs.get(task.fab_hash):
-            self._run_here(token)
-            return
-        self._run_cold(token)
-        if task.fab_hash not in self.warm_fabs:
-            self._judged(task.fab_hash, fab_matches_this_process(task.fab_hash))
+        refused = self._judge_ahead(task)
+        if refused is not None:
+            self._answer(token, refused=refused)
+        elif self.per_message:
+            self._run_fresh_process(token)
+        else:
+            self._answer(token)
 
-    def _check_ahead(self, task: Task) -> bool | None:
+    def _judge_ahead(self, task: Task) -> str | None:
         if self.check_fab is None:
-            return None
+            return None  # judged on the FAB that comes with the task's input (_answer)
         try:
-            return self.check_fab(task)
-        except Exception:  # noqa: BLE001 - Flower's cold path reports a bad FAB properly
-            logger.exception("could not read FAB %s ahead of its task",
-                             task.fab_hash[:FAB_HASH_TRUNCATION])
-            return None
+            fab_hash, refused = self.check_fab(task)
+        except Exception as exc:  # noqa: BLE001 - refused, not run: fail closed
+            logger.exception("could not read the FAB of run %d", task.run_id)
+            return f"the FAB could not be read ({exc})"
+        return self._verdict(fab_hash, refused)
 
-    def _judged(self, fab_hash: str, warm: bool) -> None:
-        self.warm_fabs[fab_hash] = warm
-        logger.info("FAB %s: %s", fab_hash[:FAB_HASH_TRUNCATION],
-                    "served warm from now on" if warm else
-                    "its code differs from this process's; one process per message")
+    def _verdict(self, fab_hash: str, refused: str | None) -> str | None:
+        """Log the verdict on a FAB the first time it is seen: one line per FAB."""
+        if fab_hash not in self.verdicts:
+            self.verdicts[fab_hash] = refused
+            if refused is None:
+                logger.info("FAB %s ships the installed app; its messages are answered %s",
+                            fab_hash[:FAB_HASH_TRUNCATION],
+                            "by one process each" if self.per_message else "in this process")
+            else:
+                logger.error("%s %s: %s; its messages are answered with an error and none of "
+                             "its code runs (this silo runs only the app installed on it)",
+                             REFUSED, fab_hash[:FAB_HASH_TRUNCATION], refused)
+        return refused
 
-    def _run_cold(self, token: str) -> None:
-        """Flower's own path: a fresh ``flwr-clientapp`` for this one task."""
+    def _run_fresh_process(self, token: str) -> None:
+        """Flower's own path for a trusted FAB: a fresh ``flwr-clientapp`` for this one task."""
         command = flower_tool("flwr-clientapp") or "flwr-clientapp"
         subprocess.run([command, "--runtime-api-address", self.address, "--token", token,
-                        "--insecure"], check=False)
+                        "--insecure", "--parent-pid", str(os.getpid())], check=False)
 
-    def _run_here(self, token: str) -> None:
-        """``run_clientapp`` without the process around it: same pulls, pushes and statuses."""
+    def _answer(self, token: str, refused: str | None = None) -> None:
+        """``run_clientapp`` without the process around it: same pulls, pushes and statuses;
+        with ``refused`` (or a FAB in the task's input that is not the installed app), the
+        message is answered with an Error and the ClientApp never sees it."""
         client = self.connect(token)
         heartbeat = HeartbeatSender(getattr(client, "task_heartbeat", None)
                                     or make_task_heartbeat_fn_http(client))
@@ -204,7 +189,16 @@ class WarmRuntime:
         status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
         started = time.perf_counter()
         try:
-            message, context, _run, _fab = pull_task_input(client)
+            message, context, run, fab = pull_task_input(client)
+            if refused is None and self.check_fab is None:
+                refused = self._verdict(app_pin.fab_hash(fab.content), app_pin.refusal(
+                    fab.content, run.fab_id, run.fab_version))
+            if refused is not None:
+                details = f"{REFUSED}: {refused}"
+                reply = Message(Error(code=ErrorCode.INVALID_FAB,
+                                      reason=f"this silo {details}"), reply_to=message)
+                return
+            assert self.app is not None  # a warm runtime's (__init__)
             reply = self.app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
             logger.info("%s message answered in this process in %.2f s",
