@@ -28,6 +28,7 @@ from .protocol import (
     ARRAYS,
     BAD_REQUEST,
     BUDGET_EXCEEDED,
+    CLUSTER_PREFIX,
     METRICS,
     OWN_MODEL,
     SELECT,
@@ -99,8 +100,28 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     return wrapped
 
 
-def _state(record: WireModel, silo: Silo) -> dict[str, torch.Tensor]:
-    return unpack_state(record, silo.template())
+def _model(records: dict[str, WireModel], name: str, silo: Silo) -> dict[str, torch.Tensor]:
+    """The message's model ``name`` as the silo's model's tensors; BadRequest if it is
+    missing, not this model, or not finite (NaN weights would make every figure NaN)."""
+    if name not in records:
+        raise BadRequest(f"the message carries no model '{name}'")
+    try:
+        state = unpack_state(records[name], silo.template())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadRequest(f"model '{name}' is not this silo's model: {exc}") from None
+    if not all(bool(torch.isfinite(tensor).all()) for tensor in state.values()):
+        raise BadRequest(f"model '{name}' has non-finite weights")
+    return state
+
+
+def _candidates(records: dict[str, WireModel], silo: Silo) -> list[dict[str, torch.Tensor]]:
+    """The cluster models of a selection round: ``cluster-0`` .. ``cluster-{M-1}``, no gaps."""
+    names = [key for key in records if key.startswith(CLUSTER_PREFIX)]
+    expected = [cluster_key(m) for m in range(len(names))]
+    if not names or sorted(names) != sorted(expected):
+        raise BadRequest(f"a selection round needs models {CLUSTER_PREFIX}0 .. "
+                         f"{CLUSTER_PREFIX}<M-1>, got {sorted(names) or 'none'}")
+    return [_model(records, name, silo) for name in expected]
 
 
 @app.query()
@@ -153,17 +174,14 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
         planned.append(Selection(plan.epsilon_select, round=server_round))
     silo.check(planned, server_round)
     if selecting:
-        n_clusters = sum(1 for key in records if key.startswith("cluster-"))
-        if n_clusters < 1:
-            raise BadRequest("train message: a selection round carries no cluster-<m> models")
-        candidates = [_state(records[cluster_key(m)], silo) for m in range(n_clusters)]
+        candidates = _candidates(records, silo)
         cluster = silo.select(candidates, plan, server_round)
         start = candidates[cluster]
     else:
         start = _received_or_own(records, context, silo)
     prox = None
     if ANCHOR in records and request.prox_variant == "correct":
-        prox = (request.prox_lambda, _state(records[ANCHOR], silo))
+        prox = (request.prox_lambda, _model(records, ANCHOR, silo))
     dp = DPSGDConfig(plan.noise_multiplier, request.clip_norm, request.learning_rate,
                      request.batch, schedule.local_epochs,
                      silo.experiment.physical_batch_size or None)
@@ -178,11 +196,10 @@ def _received_or_own(records: dict[str, WireModel], context: Context,
     """The weights the server sent (``records``: the message's models), or the silo's own
     model when it sent none (Local)."""
     if ARRAYS in records:
-        return _state(records[ARRAYS], silo)
+        return _model(records, ARRAYS, silo)
     if OWN_MODEL in context.state.array_records:
-        return _state(context.state.array_records[OWN_MODEL], silo)
-    raise ValueError("no model received and no own model kept from an earlier round "
-                     f"(state has {sorted(context.state.keys())})")
+        return _model({OWN_MODEL: context.state.array_records[OWN_MODEL]}, OWN_MODEL, silo)
+    raise BadRequest("no model received and no own model kept from an earlier round")
 
 
 @app.evaluate()

@@ -242,11 +242,21 @@ def test_a_bad_field_is_refused_by_name(tmp_path, field, value, server_task_iden
     attacker.assert_within_budget()
 
 
-def test_a_selection_without_candidates_and_a_bad_evaluate_are_refused(tmp_path,
+def test_bad_models_and_a_bad_evaluate_are_refused(tmp_path,
                                                                       server_task_identity):
     attacker = Attacker(tmp_path)
     attacker.train(1, cluster=-2)
-    _refused(attacker.train(2, cluster=SELECT, candidates=0), BAD_REQUEST, "cluster-<m>")
+    _refused(attacker.train(2, cluster=SELECT, candidates=0), BAD_REQUEST, "cluster-0 ..")
+    packed = pack_state(attacker.model.to_torch_state_dict())
+    config = {"server-round": 2, "stage": "train", "cluster": SELECT, "round-batch": "32",
+              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    gap = one_record(CONFIG, config, {cluster_key(0): packed, cluster_key(5): packed})
+    _refused(attacker.send("train", gap), BAD_REQUEST, "cluster-5")
+    nan = pack_state({k: v * math.nan for k, v in attacker.model.to_torch_state_dict().items()})
+    _refused(attacker.send("train", one_record(CONFIG, {**config, "cluster": 0},
+                                               {ARRAYS: nan})), BAD_REQUEST, "non-finite")
+    _refused(attacker.send("train", one_record(CONFIG, {**config, "cluster": 0},
+                                               {ARRAYS: packed[:-4]})), BAD_REQUEST, "arrays")
     bad = attacker.send("evaluate", one_record(CONFIG, {"server-round": math.nan,
                                                         "cluster": 0}))
     _refused(bad, BAD_REQUEST, "'server-round'")
