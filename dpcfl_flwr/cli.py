@@ -51,9 +51,9 @@ def _parse_first_batch(value: str) -> int | Literal["full"]:
     return batch
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     error_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 @privacy_app.command("noise")
@@ -176,7 +176,15 @@ def simulate(
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .progress import ProgressFollower, summary_table
-    from .simulation import absolute_paths, load_config, parse_override, run_simulation
+    from .simulation import (
+        INTERRUPTED_STATUS,
+        absolute_paths,
+        load_config,
+        parse_override,
+        run_simulation,
+    )
+    from .strategies.base import TooFewSilos
+    from .strategies.exchange import RunInterrupted
 
     try:
         pairs = dict(parse_override(item) for item in overrides or [])
@@ -205,6 +213,12 @@ def simulate(
         follower.start()
     try:
         run_simulation(experiment, cpus=cpus or None, verbose=verbose)
+    except TooFewSilos as exc:
+        _fail(str(exc), code=1)
+        return
+    except RunInterrupted as exc:
+        _fail(f"{exc}; results so far in {out_dir}", code=INTERRUPTED_STATUS)
+        return
     finally:
         if follower is not None:
             follower.stop()

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .config import ConfigError, ExperimentConfig, parse_run_config
 from .models import build_model
 from .results import RunRecorder
 from .strategies import build_strategy
+from .strategies.base import TooFewSilos
+from .strategies.exchange import RunInterrupted
 
 logger = logging.getLogger("dpcfl_flwr")
 
@@ -30,7 +33,8 @@ def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
     recorder = RunRecorder(Path(experiment.out_dir), experiment)
     initial = initial_arrays(experiment)
     strategy = build_strategy(experiment, initial, observer=recorder)
-    strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients)
+    strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients,
+                      experiment.required_clients)
     strategy.start(grid, initial, experiment.num_server_rounds, experiment.round_timeout)
     results = recorder.finish(strategy)
     summary = results["summary"]
@@ -48,7 +52,20 @@ def main(grid: Grid, context: Context) -> None:
     except ConfigError as exc:
         logger.error("%s", exc)
         raise SystemExit(f"dpcfl: {exc}") from None
-    run_experiment(grid, experiment)
+    simulated = isinstance(grid, InMemoryGrid)
+    try:
+        run_experiment(grid, experiment)
+    except RunInterrupted:
+        if not simulated:
+            raise
+        # Stopped by run_simulation's Ctrl-C handler, which raises it once the engine is
+        # down; returning lets Flower shut the engine down at once (an exception costs 3 s).
+    except TooFewSilos as exc:
+        # In a simulation the exception reaches `dpcfl simulate`, which prints it as its one
+        # error line; a deployed ServerApp's own log gets the line before Flower's traceback.
+        if not simulated:
+            logger.error("%s", exc)
+        raise
 
 
 def _log_to_console() -> None:

@@ -4,25 +4,39 @@ The same ServerApp and ClientApp as in deployment are loaded by reference throug
 simulation runtime. The run config travels the way ``flwr run`` sends it: as the app's
 ``[tool.flwr.app.config]``, here written to a throw-away app directory, so every virtual
 SuperNode sees it in ``context.run_config``.
+
+Ctrl-C stops a simulation within seconds and leaves no Ray process behind: the ServerApp ends
+at its next poll (``strategies/exchange.py``), and Flower shuts Ray down as after a normal
+run; a silo task that keeps the engine busy longer than :data:`STOP_GRACE_SECONDS` (or a
+second Ctrl-C) gets the engine's processes killed instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
+import threading
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from .config import ExperimentConfig, parse_run_config
+from .deploy.processes import descendants
 from .engine_tuning import RAY_SYSTEM_CONFIG, woken_dispatch
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
 CLIENT_APP = "dpcfl_flwr.client_app:app"
 
 logger = logging.getLogger(__name__)
+
+#: How long a stopped simulation may take to shut Ray down before its processes are killed.
+STOP_GRACE_SECONDS = 5.0
+#: The exit status of a simulation killed after Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED_STATUS = 128 + signal.SIGINT
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> ExperimentConfig:
@@ -75,6 +89,8 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
 
+    from .strategies.exchange import RunInterrupted
+
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning
@@ -89,7 +105,7 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         _write_app_dir(Path(app_dir), experiment)
         context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
                           run_config=experiment.to_run_config())
-        with woken_dispatch():
+        with woken_dispatch(), _stopped_by_ctrl_c() as interrupted:
             _run_simulation(
                 num_supernodes=experiment.topology.num_clients,
                 exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
@@ -97,6 +113,59 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                 backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
                 server_app_context=context, verbose_logging=verbose,
             )
+    if interrupted.is_set():
+        raise RunInterrupted("the run was stopped (Ctrl-C) and Ray shut down")
+
+
+@contextlib.contextmanager
+def _stopped_by_ctrl_c() -> Iterator[threading.Event]:
+    """While the block runs, SIGINT asks the ServerApp to stop instead of raising
+    KeyboardInterrupt in whatever Flower's or Ray's code the main thread is in (which left
+    Flower's worker threads logging Ray errors and the ServerApp thread polling on). Yields
+    an event set once SIGINT came."""
+    from .strategies.exchange import stop_requested  # the ServerApp's side (imports torch)
+
+    interrupted = threading.Event()
+    stop_requested.clear()
+    if threading.current_thread() is not threading.main_thread():  # signals need the main one
+        try:
+            yield interrupted
+        finally:
+            stop_requested.set()
+        return
+    deadline: list[threading.Timer] = []
+
+    def on_sigint(_signum: int, _frame: object) -> None:
+        if interrupted.is_set():
+            _kill_engine_and_exit("a second Ctrl-C")
+        interrupted.set()
+        stop_requested.set()
+        logger.warning("stopping the run (Ctrl-C again to end it at once)")
+        timer = threading.Timer(STOP_GRACE_SECONDS, _kill_engine_and_exit,
+                                (f"the engine still ran {STOP_GRACE_SECONDS:g} s after Ctrl-C",))
+        timer.daemon = True
+        timer.start()
+        deadline.append(timer)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        # However the engine ended (a SIGTERM makes Ray raise SystemExit here), the ServerApp
+        # thread must end too: the interpreter waits for it before exiting.
+        stop_requested.set()
+        signal.signal(signal.SIGINT, previous)
+        for timer in deadline:
+            timer.cancel()
+
+
+def _kill_engine_and_exit(why: str) -> None:
+    """Kill every process this one started (Ray's GCS, raylet, workers) and exit at once."""
+    logger.error("run stopped: %s; killing the simulation engine", why)
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(INTERRUPTED_STATUS)
 
 
 def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:

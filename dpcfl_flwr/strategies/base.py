@@ -13,6 +13,7 @@ back with a new node id but the same identity, its ledger and its cluster assign
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -46,12 +47,32 @@ from ..protocol import (
 )
 from ..silo import Schedule
 from .aggregation import cluster_means
-from .exchange import exchange
+from .exchange import exchange, pause
 
 logger = logging.getLogger(__name__)
 
 #: Assignment of round 1 in R-DPCFL: train theta_init, belong to no cluster yet.
 INITIAL = -2
+#: How often a node whose silo could not start is asked again (its operator may fix it).
+RETRY_FAILED_SECONDS = 30.0
+
+
+class TooFewSilos(RuntimeError):
+    """Fewer silos can run than the run needs: it stops before any silo spends budget."""
+
+
+@dataclass
+class FailedNode:
+    """A node whose silo answered the query with an error (it cannot start)."""
+
+    reason: str
+    asked: float  # time.monotonic() of that query
+
+
+def _nodes(nodes: list[int], shown: int = 4) -> str:
+    listed = ", ".join(str(n) for n in sorted(nodes)[:shown])
+    more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
+    return f"node{'s' if len(nodes) > 1 else ''} {listed}{more}"
 
 
 @dataclass
@@ -81,7 +102,7 @@ class RoundReport:
     stage: str
     seconds: float
     trained: dict[int, int]  # partition -> cluster it trained
-    val_accuracy: dict[int, float]
+    val_accuracy: dict[int, float]  # of the silos that report one (private metrics do not)
     refused: list[int]
     dropped: list[int]
     server_seconds: float = 0.0
@@ -119,6 +140,15 @@ def _reply_numbers(message: Message, keys: tuple[str, ...],
         raise ValueError(f"no {exc} in the reply") from exc
 
 
+def known_number(record: Mapping[str, Any], key: str) -> float | None:
+    """An optional number of a reply: None when it is absent, not a number or not finite (a
+    silo that keeps its metrics private sends no ``val-accuracy``)."""
+    value = record.get(key)
+    if isinstance(value, bool | int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _to_send(model: WireModel | None, cluster: int) -> WireModel:
     if model is None:
         raise ValueError(f"cluster {cluster} has no model to send")
@@ -147,6 +177,7 @@ class ClusteredStrategy(Strategy):
         self.n_clusters = n_clusters
         self.models: list[np.ndarray] = [self.initial.copy() for _ in range(n_clusters)]
         self.silos: dict[int, SiloInfo] = {}
+        self.failed: dict[int, FailedNode] = {}  # node id -> why its silo cannot start
         self.observer = observer
         self.reports: list[RoundReport] = []
         self.rng = np.random.default_rng([experiment.seed, 7919])
@@ -306,7 +337,8 @@ class ClusteredStrategy(Strategy):
         report = RoundReport(
             server_round, self.stage(server_round), seconds,
             {p: r.cluster for p, r in good.items()},
-            {p: number(r.metrics, "val-accuracy") for p, r in good.items()},
+            {p: v for p, r in good.items()
+             if (v := known_number(r.metrics, "val-accuracy")) is not None},
             refused, sorted(missing), server_seconds=time.monotonic() - started,
             client_cpu_seconds={p: number(r.metrics, "cpu-seconds") for p, r in good.items()
                                 if "cpu-seconds" in r.metrics},
@@ -317,9 +349,11 @@ class ClusteredStrategy(Strategy):
     def _train_reply(self, message: Message) -> TrainReply:
         """A silo's train reply, checked before it can touch a cluster model: one silo running
         other code (or broken arithmetic) must cost its own round, not the run or, through a
-        NaN in an average, every silo's model."""
+        NaN in an average, every silo's model. Only ``cluster``, ``epsilon-spent`` and
+        ``noise-multiplier`` must be there; a silo's own numbers about its data (validation
+        accuracy and loss) are optional."""
         metrics, numbers = _reply_numbers(
-            message, ("cluster", "epsilon-spent", "noise-multiplier", "val-accuracy"))
+            message, ("cluster", "epsilon-spent", "noise-multiplier"))
         cluster = int(numbers[0])
         models = model_records(message.content)
         update = self.layout.flatten(models[UPDATE]) if UPDATE in models else None
@@ -362,42 +396,107 @@ class ClusteredStrategy(Strategy):
         return accuracy
 
     # --- silos ------------------------------------------------------------------------------------
-    def discover(self, grid: Grid, expected: int, wait: float) -> None:
-        """Wait until ``expected`` silos are connected (or ``wait`` s passed) and query them."""
+    def silos_needed(self) -> int:
+        """The fewest silos this method can run with; a method that clusters silos says more."""
+        return 1
+
+    def discover(self, grid: Grid, expected: int, wait: float, required: int = 0) -> None:
+        """Wait until ``expected`` silos can run, for at most ``wait`` s, or until every node
+        present has answered (the ones that cannot start with their reason); then go on with
+        the silos that can run, or raise :class:`TooFewSilos` when they are fewer than
+        ``required`` or :meth:`silos_needed`. No silo has trained when this returns."""
+        needed = max(required, self.silos_needed())
+        if needed > self.experiment.topology.num_clients:
+            raise TooFewSilos(f"at least {needed} silos needed{self._why(needed)}, but the "
+                              f"topology {self.experiment.clusters} has "
+                              f"{self.experiment.topology.num_clients}")
+        target = max(expected, needed)
         deadline = time.monotonic() + wait
         while True:
-            self.refresh_silos(grid)
-            if len(self.silos) >= expected or time.monotonic() >= deadline:
+            present = self.refresh_silos(grid)
+            answered = all(n in self.failed or n in self._known_nodes() for n in present)
+            if (len(self.silos) >= target or time.monotonic() >= deadline
+                    or (answered and len(present) >= target)):
                 break
-            time.sleep(0.5)
+            pause(0.5)
+        if len(self.silos) < needed:
+            raise TooFewSilos(self._too_few(present, expected, needed, wait))
         if len(self.silos) < expected:
-            logger.warning("only %d of %d silos connected after %.0f s; going on with them",
-                           len(self.silos), expected, wait)
-        if not self.silos:
-            raise RuntimeError("no silo answered the query: nothing to train")
+            logger.warning("%s; going on with them", self._silo_count(present, expected, wait))
         if self.observer is not None:
             self.observer.silos_known(self)
 
-    def refresh_silos(self, grid: Grid) -> None:
-        """Query nodes the server has not seen yet (new silos, or restarted ones)."""
-        known = {s.node_id for s in self.silos.values()}
-        new = [n for n in grid.get_node_ids() if n not in known]
-        if not new:
-            return
+    def _silo_count(self, present: list[int], expected: int, wait: float) -> str:
+        """'3 of 21 silos can run (18 failed to start: <reason> (nodes ...))', one line."""
+        known = self._known_nodes()
+        by_reason: dict[str, list[int]] = {}
+        for node in present:
+            if node in self.failed and node not in known:
+                by_reason.setdefault(self.failed[node].reason, []).append(node)
+        failed = sum(len(nodes) for nodes in by_reason.values())
+        silent = len([n for n in present if n not in known and n not in self.failed])
+        parts = []
+        if failed:
+            parts.append(f"{failed} failed to start: " + "; ".join(
+                f"{reason} ({_nodes(nodes)})" for reason, nodes in by_reason.items()))
+        if silent:
+            parts.append(f"{silent} did not answer")
+        if len(present) < expected:
+            parts.append(f"{expected - len(present)} did not connect within {wait:g} s")
+        detail = f" ({'; '.join(parts)})" if parts else ""
+        return f"{len(self.silos)} of {max(expected, len(present))} silos can run{detail}"
+
+    def _too_few(self, present: list[int], expected: int, needed: int, wait: float) -> str:
+        count = self._silo_count(present, expected, wait)
+        return f"{count}; at least {needed} needed{self._why(needed)}"
+
+    def _why(self, needed: int) -> str:
+        if needed > self.silos_needed():
+            return f" (required-clients = {needed})"
+        return f" ({self.name} needs {needed})" if needed > 1 else ""
+
+    def _known_nodes(self) -> set[int]:
+        return {s.node_id for s in self.silos.values()}
+
+    def refresh_silos(self, grid: Grid) -> list[int]:
+        """Query the nodes the server has not heard from (new silos, or restarted ones), and
+        again every :data:`RETRY_FAILED_SECONDS` the nodes whose silo could not start; returns
+        the ids of the nodes present."""
+        present = list(grid.get_node_ids())
+        for gone in set(self.failed) - set(present):
+            del self.failed[gone]
+        known = self._known_nodes()
+        now = time.monotonic()
+        ask = [n for n in present if n not in known and (
+            n not in self.failed or now - self.failed[n].asked >= RETRY_FAILED_SECONDS)]
+        if not ask:
+            return present
         messages = {node: Message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
-                                  dst_node_id=node, message_type="query") for node in new}
+                                  dst_node_id=node, message_type="query") for node in ask}
         result = exchange(grid, messages, timeout=min(self.experiment.round_timeout, 600.0))
         for node, message in result.replies.items():
             if message.has_error():
-                logger.error("silo on node %d cannot start: %s", node, message.error.reason)
+                self._cannot_start(node, message.error.reason or f"error code {message.error.code}",
+                                   now)
                 continue
             try:
                 _, fields = _reply_numbers(message, SILO_FIELDS, SILO)
-            except ValueError as exc:  # asked again next round, like a silo that cannot start
-                logger.error("silo on node %d described itself in a way the server cannot use "
-                             "(not registered): %s", node, exc)
+            except ValueError as exc:
+                self._cannot_start(node, f"it described itself in a way the server cannot use: "
+                                         f"{exc}", now)
                 continue
+            self.failed.pop(node, None)
             self._register(node, fields)
+        return present
+
+    def _cannot_start(self, node: int, reason: str, asked: float) -> None:
+        """Remember why ``node``'s silo cannot start; say so once (and when the reason changes),
+        not at every query."""
+        reason = " ".join(str(reason).split())  # one log line, whatever the silo sent
+        previous = self.failed.get(node)
+        self.failed[node] = FailedNode(reason, asked)
+        if previous is None or previous.reason != reason:
+            logger.error("silo on node %d cannot start: %s", node, reason)
 
     def _register(self, node: int, fields: list[float]) -> None:
         """``fields``: the silo's SILO_FIELDS, in that order."""

@@ -12,11 +12,16 @@ same process and a poll costs next to nothing, so there it stays at 50 ms, and t
 early when the engine stores a reply (``engine_tuning.wait_for_replies``). A round's messages
 go in one push (one request and one object session instead of one per silo); the grid gives
 each message its id, which maps it back to its silo even when some are refused.
+
+Every wait of the ServerApp goes through this module's polls, so they are where an operator's
+Ctrl-C takes effect: ``dpcfl simulate`` sets :data:`stop_requested` and the next poll raises
+:class:`RunInterrupted`, which ends the ServerApp and with it Flower's engine.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +37,25 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # the wait after a poll that brought a reply
 MAX_POLL_SECONDS = 0.5  # the longest wait between polls
 BACKOFF = 1.5
+
+#: Set to stop the ServerApp of this process at its next poll (``dpcfl simulate``'s Ctrl-C).
+stop_requested = threading.Event()
+
+
+class RunInterrupted(RuntimeError):
+    """The operator stopped the run: the ServerApp ends instead of waiting on."""
+
+
+def check_stop() -> None:
+    """Raise :class:`RunInterrupted` once a stop was requested."""
+    if stop_requested.is_set():
+        raise RunInterrupted("the run was stopped (Ctrl-C); no silo is asked for more work")
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds``, or raise :class:`RunInterrupted` as soon as a stop is requested."""
+    stop_requested.wait(seconds)
+    check_stop()
 
 
 def longest_poll(grid: Grid) -> float:
@@ -61,6 +85,7 @@ def exchange(
     on_reply: Callable[[int, Message], None] | None = None,
 ) -> Exchange:
     """Send ``messages`` (keyed by silo) and wait up to ``timeout`` s for all replies."""
+    check_stop()
     started = time.monotonic()
     pending: dict[str, int] = {}
     result = Exchange()
@@ -86,6 +111,7 @@ def exchange(
                 on_reply(key, reply)
         if not pending or time.monotonic() >= deadline:
             break
+        check_stop()
         delay = next_poll_delay(delay, arrived > 0, ceiling)
         # Counted from the poll's start: a SuperLink that held an empty poll until a reply
         # was ready (deploy/superlink_launcher.py) has already waited.
