@@ -84,6 +84,9 @@ class ExperimentConfig(_Config):
     round_timeout: float = Field(3600.0, gt=0.0)
     min_clients: int = Field(0, ge=0, description="0: every client of the topology")
     wait_for_clients: float = Field(600.0, gt=0.0)
+    # after that wait (or once every silo present has answered), fewer silos that can run
+    # than this stop the run before any trains
+    required_clients: int = Field(0, ge=0, description="0: the fewest the method needs")
 
     @field_validator("clusters")
     @classmethod
