@@ -173,7 +173,20 @@ def submit(
                   f"{experiment.expected_clients} silos) to {superlink}")
     os.environ.setdefault("FLWR_HOME", str(home))
     use_this_environment()
-    os.execvp(command[0], command)
+    # A child in a process group of its own, so a terminal's Ctrl-C reaches it once, from here;
+    # no stdin: in a background group a read would stop it instead of failing.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, process_group=0,
+                               preexec_fn=_die_with_parent)
+    stopped = _forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
+    code = process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # anything it left in its group
+    if stopped():
+        errors.print(f"stopped following the run; it may go on on the SuperLink "
+                     f"(`FLWR_HOME={os.environ['FLWR_HOME']} flwr ls dpcfl-submit` lists it, "
+                     "`flwr stop RUN-ID dpcfl-submit` ends it)", highlight=False)
+        code = 128 + signal.SIGINT
+    raise typer.Exit(code=code)
 
 
 def client(
@@ -278,6 +291,12 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
     }
 
 
+#: How long a silo's SuperNode or a submit's `flwr run` may take to end after Ctrl-C before it
+#: is killed (an idle SuperNode ends in 1-2 s; one in the middle of a task would finish it).
+STOP_GRACE_SECONDS = 5.0
+#: Set by the first SIGINT/SIGTERM this process receives while it runs a child.
+_signalled = threading.Event()
+
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
 # every error, so the message is what tells this case apart).
 _ACTIVATION_REFUSED = "Failed to activate SuperNode"
@@ -288,13 +307,15 @@ def _supervise(command: list[str], rejoin_wait: float) -> int:
     ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
     session expire). TLS failures and every other error end the silo at once."""
     deadline = time.monotonic() + rejoin_wait
+    _signalled.clear()
     while True:
         code, refused, stopped = _run_supernode(command)
         if code == 0 or not refused or stopped or time.monotonic() >= deadline:
             return code
         console.print("the SuperLink refused this silo's activation (its previous session may "
                       "still be open, or its key is not registered); retrying in 5 s")
-        time.sleep(5)
+        if _signalled.wait(5):  # Ctrl-C while waiting to retry: done
+            return code
 
 
 def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
@@ -320,7 +341,7 @@ def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    stopped = _forward_signals(process, group=True)
+    stopped = _forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
     code = process.wait()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -403,18 +424,37 @@ def _print_plan(title: str, rows: dict[str, str]) -> None:
     console.print(table)
 
 
-def _forward_signals(process: subprocess.Popen, group: bool = False) -> Callable[[], bool]:
+def _forward_signals(process: subprocess.Popen, group: bool = False,
+                     grace: float | None = None) -> Callable[[], bool]:
     """Pass SIGINT/SIGTERM on to ``process`` (its whole group with ``group``); the returned
-    function says whether one arrived."""
+    function says whether one arrived. With ``grace``, a process still running ``grace`` s
+    after the first signal, or at a second one, is killed (SIGKILL): Ctrl-C must end a
+    command within seconds even when its child is busy (a silo in the middle of a task)."""
     received: list[int] = []
+
+    def send(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(process.pid, signum)
+            elif process.poll() is None:
+                process.send_signal(signum)
+
+    def kill_if_running() -> None:
+        if process.poll() is None:
+            send(signal.SIGKILL)
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
-        if group:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signum)
+        _signalled.set()
+        if grace is None:
+            send(signum)
+        elif len(received) > 1:
+            kill_if_running()
         else:
-            process.send_signal(signum)
+            send(signum)
+            timer = threading.Timer(grace, kill_if_running)
+            timer.daemon = True
+            timer.start()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
