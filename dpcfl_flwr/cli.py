@@ -285,7 +285,7 @@ def report(
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Redraw the figures."),
 ) -> None:
     """Print a run's summary table (and per-silo outcome) and redraw its figures."""
-    from .progress import summary_table
+    from .progress import percent, summary_table
     from .results import redraw_figures
 
     path = results_dir / "results.json"
@@ -300,10 +300,9 @@ def report(
                    "dropped", "refused"):
         table.add_column(column)
     for c in results["clients"]:
-        accuracy = "n/a" if c["test_accuracy"] is None else f"{100 * c['test_accuracy']:.1f}%"
         table.add_row(str(c["partition"]), str(c["true_cluster"]), str(c["final_cluster"]),
-                      accuracy, f"{c['epsilon_spent']:.3f}", str(c["dropped_rounds"] or ""),
-                      str(c["refused_rounds"] or ""))
+                      percent(c["test_accuracy"]), f"{c['epsilon_spent']:.3f}",
+                      str(c["dropped_rounds"] or ""), str(c["refused_rounds"] or ""))
     console.print(table)
     if not results.get("complete"):
         console.print("[yellow]the run did not finish: these are its last saved results[/]")

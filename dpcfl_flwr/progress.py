@@ -8,6 +8,7 @@ mounted here.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,27 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 
+def percent(value: Any) -> str:
+    """An accuracy as a percentage; ``-`` when it is unknown (a silo with private metrics
+    reports no validation accuracy) or not a finite number."""
+    if not _known(value):
+        return "-"
+    return f"{100 * value:.1f}%"
+
+
+def _known(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
 def describe_round(row: dict[str, Any]) -> str:
-    """One line: stage, cluster sizes, accuracy, epsilon."""
-    parts = [f"[cyan]{row['stage']}[/]", f"sizes {row['cluster_sizes']}"]
-    if row.get("mean_val_accuracy") is not None:
-        parts.append(f"val acc {100 * row['mean_val_accuracy']:.1f}%")
-    if row.get("mean_test_accuracy") is not None:
-        parts.append(f"test acc {100 * row['mean_test_accuracy']:.1f}%")
-    if row.get("minority_test_accuracy") is not None:
-        parts.append(f"minority {100 * row['minority_test_accuracy']:.1f}%")
-    if row.get("max_epsilon_spent") is not None:
+    """One line: stage, cluster sizes, accuracy, epsilon (test accuracy in evaluated rounds)."""
+    parts = [f"[cyan]{row['stage']}[/]", f"sizes {row['cluster_sizes']}",
+             f"val acc {percent(row.get('mean_val_accuracy'))}"]
+    if _known(row.get("mean_test_accuracy")):
+        parts.append(f"test acc {percent(row['mean_test_accuracy'])}")
+    if _known(row.get("minority_test_accuracy")):
+        parts.append(f"minority {percent(row['minority_test_accuracy'])}")
+    if _known(row.get("max_epsilon_spent")):
         parts.append(f"eps {row['max_epsilon_spent']:.2f}")
     if row.get("refused"):
         parts.append(f"[yellow]refused {row['refused']}[/]")
@@ -99,13 +111,10 @@ def summary_table(results: dict[str, Any]) -> Table:
     table = Table(title=f"{results['method']} — {results['config']['out-dir']}",
                   show_header=False)
 
-    def pct(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f}%"
-
-    table.add_row("mean test accuracy", pct(summary.get("mean_accuracy")))
+    table.add_row("mean test accuracy", percent(summary.get("mean_accuracy")))
     table.add_row(f"minority (cluster {summary.get('minority_cluster')}) accuracy",
-                  pct(summary.get("minority_accuracy")))
-    table.add_row("majority accuracy", pct(summary.get("majority_accuracy")))
+                  percent(summary.get("minority_accuracy")))
+    table.add_row("majority accuracy", percent(summary.get("majority_accuracy")))
     for key, label in (("n_clusters", "clusters M"), ("mss", "MSS"), ("mpo", "MPO"),
                        ("switch_round", "switch round E_c"), ("em_iterations", "EM iterations"),
                        ("ari", "ARI round 1"), ("final_ari", "ARI final"),
@@ -114,6 +123,7 @@ def summary_table(results: dict[str, Any]) -> Table:
         if key in clustering:
             value = clustering[key]
             table.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
-    table.add_row("max epsilon spent", f"{summary.get('max_epsilon_spent', 0):.4f}")
+    spent = summary.get("max_epsilon_spent")
+    table.add_row("max epsilon spent", f"{spent:.4f}" if _known(spent) else "-")
     table.add_row("wall time", f"{results['wall_seconds']:.1f} s")
     return table

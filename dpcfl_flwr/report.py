@@ -77,8 +77,8 @@ def plot_accuracy_by_cluster(
         members = [p for p, c in true_clusters.items() if c == cluster]
         xs, ys = [], []
         for row in evaluated:
-            values = [row["test_accuracy"][str(p)] for p in members
-                      if str(p) in row["test_accuracy"]]
+            values = [row["test_accuracy"][str(p)] for p in members  # None: unknown
+                      if row["test_accuracy"].get(str(p)) is not None]
             if values:
                 xs.append(row["round"])
                 ys.append(100 * float(np.mean(values)))

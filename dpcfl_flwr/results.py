@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -112,7 +113,7 @@ class RunRecorder:
             "client_cpu_seconds": round(sum(report.client_cpu_seconds.values()), 3),
             "silo_cpu_seconds": {str(p): round(c, 3)
                                  for p, c in sorted(report.client_cpu_seconds.items())},
-            "test_accuracy": {str(p): a for p, a in tested.items()},
+            "test_accuracy": {str(p): _finite(a) for p, a in tested.items()},
         }
 
     def results(self, strategy: ClusteredStrategy, complete: bool) -> dict[str, Any]:
@@ -120,7 +121,7 @@ class RunRecorder:
         final = {p: strategy.current_cluster(p) for p in strategy.silos}
         clients = [
             {"partition": p, "true_cluster": s.true_cluster, "final_cluster": final[p],
-             "test_accuracy": s.test_accuracy, "test_loss": s.test_loss,
+             "test_accuracy": _finite(s.test_accuracy), "test_loss": _finite(s.test_loss),
              "epsilon_spent": s.epsilon_spent, "epsilon_budget": s.epsilon_budget,
              "delta": s.delta, "noise_multiplier": s.noise_multiplier,
              "num_train": s.num_train, "dropped_rounds": s.dropped_rounds,
@@ -202,5 +203,13 @@ def summarise(clients: list[dict[str, Any]], truth: dict[int, int],
 
 
 def _mean(values: Any) -> float | None:
-    values = [float(v) for v in values if v is not None]
+    """The mean of the known values; None when none is known (private metrics, no replies)."""
+    values = [v for v in (_finite(v) for v in values) if v is not None]
     return float(np.mean(values)) if values else None
+
+
+def _finite(value: Any) -> float | None:
+    """A reported number, or None when it is unknown (absent, NaN): JSON has no NaN."""
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return float(value)
