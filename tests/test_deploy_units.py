@@ -16,18 +16,21 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
-from dpcfl_flwr.config import ConfigError
+from dpcfl_flwr.config import ConfigError, parse_node_config
 from dpcfl_flwr.deploy.certs import make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
 from dpcfl_flwr.deploy.processes import descendants
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
+    deployed_settings,
     load_silo_file,
     node_config_text,
     supernode_command,
 )
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
 from dpcfl_flwr.deploy.supernode_launcher import exit_code_of
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_certificates_chain_to_the_ca_and_name_what_silos_dial(tmp_path):
@@ -158,6 +161,28 @@ def test_a_silo_without_its_own_budget_or_ledger_refuses_to_start_with_one_line(
                             "--delta", "1e-5", "--ledger-path", str(tmp_path / "l.json"),
                             "--dry-run"], capture_output=True, text=True, timeout=120)
     assert given.returncode == 0, given.stderr
+
+
+def test_the_committed_silo_files_give_each_silo_its_records_of_the_quick_example():
+    # What decides a silo's records (dpcfl_flwr/silo.py): in simulation from the run config,
+    # deployed from its silo file alone. The same for every silo of the quick example.
+    from dpcfl_flwr.simulation import load_config
+
+    quick = load_config(REPO / "examples" / "quick.toml", {})
+    split = ("dataset", "clusters", "shift", "samples_per_client", "val_fraction",
+             "test_samples", "data_draw", "data_seed", "epsilon", "delta")
+    files = sorted((REPO / "clients").glob("silo-*.toml"))
+    assert len(files) == quick.topology.num_clients
+    for path in files:
+        silo, node = load_silo_file(path, {}, {})
+        deployed = deployed_settings(node)
+        simulated = parse_node_config({"partition-id": node.partition_id}).resolved(
+            quick, trust_run_config=True)
+        assert [getattr(deployed, k) for k in split] == [getattr(simulated, k) for k in split]
+        assert deployed.topology.cluster_of(node.partition_id) == simulated.topology.cluster_of(
+            node.partition_id)
+        assert deployed.metrics == "private" and deployed.ledger_path == str(
+            REPO / "ledgers" / f"{silo.name}.json")
 
 
 def test_relative_paths_in_a_silo_file_are_relative_to_the_file(tmp_path):
