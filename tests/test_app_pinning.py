@@ -59,10 +59,10 @@ def _copy_app(root: Path) -> Path:
 def deployment(tmp_path_factory):
     dep = LocalDeployment(tmp_path_factory.mktemp("pinning"), clusters="1,1")
     dep.up("--register", "certs/nodes/silo-02.pub")  # the spare key: the SuperNode by hand
-    # The silos' installed app and the untampered FAB: one snapshot of this checkout in the
-    # deployment's directory, which the silos run in (`python -m` imports from there first),
-    # so that an edit to the checkout during the test is not a FAB with other code.
-    _copy_app(dep.root)
+    # The silos' installed app and the untampered FAB: one snapshot of this checkout, first on
+    # the silos' path, so that an edit to the checkout during the test is not a FAB with other
+    # code.
+    dep.env["PYTHONPATH"] = str(_copy_app(dep.root))
     dep.silo(0, *SPLIT)
     dep.silo(1, *SPLIT, "--process-per-message")
     yield dep

@@ -72,7 +72,7 @@ def test_a_valid_silo_file_becomes_a_tls_supernode_command(tmp_path):
     silo, node = load_silo_file(_silo_file(tmp_path), {}, {})
     assert check_silo(silo, node) == []
     command = supernode_command(silo, node)
-    assert command[:3] == [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher"]
+    assert command[:4] == [sys.executable, "-P", "-m", "dpcfl_flwr.deploy.supernode_launcher"]
     assert command[command.index("--idle-poll") + 1] == "0.5" and "--insecure" not in command
     assert command[command.index("--root-certificates") + 1] == str(tmp_path / "certs/ca.crt")
     assert "--auth-supernode-private-key" in command

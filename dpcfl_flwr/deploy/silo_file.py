@@ -248,9 +248,11 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
 
     The SuperNode starts no SuperExec of its own (``--isolation process``): it answers its
     ClientApp tasks itself, warm or with one ``flwr-clientapp`` per message, and only for FABs
-    that ship the app installed here (:mod:`.direct_runtime`, :mod:`.app_pin`).
+    that ship the app installed here (:mod:`.app_pin`, :mod:`.direct_runtime`). It imports
+    that app as this process did (``-P``: not from the working directory), so the plan names
+    the code the silo runs.
     """
-    command = [sys.executable, "-m", "dpcfl_flwr.deploy.supernode_launcher",
+    command = [sys.executable, "-P", "-m", "dpcfl_flwr.deploy.supernode_launcher",
                "--clientapp", "warm" if silo.warm else "per-message",
                "--idle-poll", f"{silo.idle_poll:g}", "--superlink", silo.superlink, "--grpc-rere",
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
