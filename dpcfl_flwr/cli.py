@@ -176,13 +176,7 @@ def simulate(
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .progress import ProgressFollower, summary_table
-    from .simulation import (
-        INTERRUPTED_STATUS,
-        absolute_paths,
-        load_config,
-        parse_override,
-        run_simulation,
-    )
+    from .simulation import absolute_paths, load_config, parse_override, run_simulation
     from .strategies.base import TooFewSilos
     from .strategies.exchange import RunInterrupted
 
@@ -217,7 +211,7 @@ def simulate(
         _fail(str(exc), code=1)
         return
     except RunInterrupted as exc:
-        _fail(f"{exc}; results so far in {out_dir}", code=INTERRUPTED_STATUS)
+        _fail(f"{exc}; results so far in {out_dir}", code=exc.status)
         return
     finally:
         if follower is not None:

@@ -1,4 +1,5 @@
-"""Three per-message costs of Flower 1.39's simulation engine that a short silo task notices.
+"""Three per-message costs of Flower 1.39's simulation engine that a short silo task notices,
+and how a stopped simulation keeps Ray from replacing its signal handling.
 
 A silo's task in the quick example is ~0.3 s of training, and 21 of them share 2 Ray workers,
 so a few milliseconds per hand-over and a tenth of a second per round are several percent of
@@ -97,4 +98,21 @@ def woken_dispatch() -> Iterator[None]:
         vce_api.add_messages_to_queue = flowers_own
 
 
-__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "wait_for_replies", "woken_dispatch"]
+@contextmanager
+def signals_left_to_us() -> Iterator[None]:
+    """Keep ``ray.init`` from replacing the SIGTERM handler of this process while the block
+    runs. Ray's raises SystemExit in the main thread, wherever Flower's engine loop is, so
+    Flower's worker threads log every running task's ActorDiedError; the caller's handler
+    stops the ServerApp and lets Flower shut Ray down (``simulation.py``)."""
+    import ray._private.utils as ray_utils
+
+    rays_own = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = rays_own
+
+
+__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "signals_left_to_us", "wait_for_replies",
+           "woken_dispatch"]

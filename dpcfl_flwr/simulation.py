@@ -5,10 +5,10 @@ simulation runtime. The run config travels the way ``flwr run`` sends it: as the
 ``[tool.flwr.app.config]``, here written to a throw-away app directory, so every virtual
 SuperNode sees it in ``context.run_config``.
 
-Ctrl-C stops a simulation within seconds and leaves no Ray process behind: the ServerApp ends
-at its next poll (``strategies/exchange.py``), and Flower shuts Ray down as after a normal
-run; a silo task that keeps the engine busy longer than :data:`STOP_GRACE_SECONDS` (or a
-second Ctrl-C) gets the engine's processes killed instead.
+Ctrl-C (or SIGTERM) stops a simulation within seconds and leaves no Ray process behind: the
+ServerApp ends at its next poll (``strategies/exchange.py``), and Flower shuts Ray down as
+after a normal run; a silo task that keeps the engine busy longer than
+:data:`STOP_GRACE_SECONDS` (or a second signal) gets the engine's processes killed instead.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from .config import ExperimentConfig, parse_run_config
 from .deploy.processes import descendants
-from .engine_tuning import RAY_SYSTEM_CONFIG, woken_dispatch
+from .engine_tuning import RAY_SYSTEM_CONFIG, signals_left_to_us, woken_dispatch
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
 CLIENT_APP = "dpcfl_flwr.client_app:app"
@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a stopped simulation may take to shut Ray down before its processes are killed.
 STOP_GRACE_SECONDS = 5.0
-#: The exit status of a simulation killed after Ctrl-C (128 + SIGINT, as a shell reports it).
-INTERRUPTED_STATUS = 128 + signal.SIGINT
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> ExperimentConfig:
@@ -105,7 +103,7 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         _write_app_dir(Path(app_dir), experiment)
         context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
                           run_config=experiment.to_run_config())
-        with woken_dispatch(), _stopped_by_ctrl_c() as interrupted:
+        with woken_dispatch(), _stopped_by_signals() as received:
             _run_simulation(
                 num_supernodes=experiment.topology.num_clients,
                 exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
@@ -113,59 +111,68 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                 backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
                 server_app_context=context, verbose_logging=verbose,
             )
-    if interrupted.is_set():
-        raise RunInterrupted("the run was stopped (Ctrl-C) and Ray shut down")
+    if received:
+        name = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
+        raise RunInterrupted(f"the run was stopped ({name}) and Ray shut down",
+                             128 + received[0])
 
 
 @contextlib.contextmanager
-def _stopped_by_ctrl_c() -> Iterator[threading.Event]:
-    """While the block runs, SIGINT asks the ServerApp to stop instead of raising
-    KeyboardInterrupt in whatever Flower's or Ray's code the main thread is in (which left
-    Flower's worker threads logging Ray errors and the ServerApp thread polling on). Yields
-    an event set once SIGINT came."""
+def _stopped_by_signals() -> Iterator[list[int]]:
+    """While the block runs, SIGINT (Ctrl-C) or SIGTERM asks the ServerApp to stop, instead
+    of raising KeyboardInterrupt or SystemExit in whatever Flower's or Ray's code the main
+    thread is in (which left Flower's worker threads logging each running task's Ray error,
+    and the ServerApp thread polling on). Yields the signals received."""
     from .strategies.exchange import stop_requested  # the ServerApp's side (imports torch)
 
-    interrupted = threading.Event()
+    received: list[int] = []
     stop_requested.clear()
     if threading.current_thread() is not threading.main_thread():  # signals need the main one
         try:
-            yield interrupted
+            yield received
         finally:
             stop_requested.set()
         return
     deadline: list[threading.Timer] = []
 
-    def on_sigint(_signum: int, _frame: object) -> None:
-        if interrupted.is_set():
-            _kill_engine_and_exit("a second Ctrl-C")
-        interrupted.set()
+    def on_signal(signum: int, _frame: object) -> None:
+        # Ray's C++ core reports a SIGTERM before this runs and arms a 3 s alarm that aborts
+        # the process (exit status -6, measured); this handler ends the run instead.
+        signal.alarm(0)
+        received.append(signum)
+        if len(received) > 1:
+            _kill_engine_and_exit(f"a second {signal.Signals(signum).name}", signum)
         stop_requested.set()
         logger.warning("stopping the run (Ctrl-C again to end it at once)")
         timer = threading.Timer(STOP_GRACE_SECONDS, _kill_engine_and_exit,
-                                (f"the engine still ran {STOP_GRACE_SECONDS:g} s after Ctrl-C",))
+                                (f"the engine still ran {STOP_GRACE_SECONDS:g} s after "
+                                 f"{signal.Signals(signum).name}", signum))
         timer.daemon = True
         timer.start()
         deadline.append(timer)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signum: signal.signal(signum, on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield interrupted
+        with signals_left_to_us():
+            yield received
     finally:
-        # However the engine ended (a SIGTERM makes Ray raise SystemExit here), the ServerApp
-        # thread must end too: the interpreter waits for it before exiting.
+        # However the engine ended, the ServerApp thread must end too: the interpreter waits
+        # for it before exiting.
         stop_requested.set()
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for timer in deadline:
             timer.cancel()
 
 
-def _kill_engine_and_exit(why: str) -> None:
+def _kill_engine_and_exit(why: str, signum: int) -> None:
     """Kill every process this one started (Ray's GCS, raylet, workers) and exit at once."""
     logger.error("run stopped: %s; killing the simulation engine", why)
     for pid in descendants(os.getpid()):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    os._exit(INTERRUPTED_STATUS)
+    os._exit(128 + signum)
 
 
 def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:

@@ -21,6 +21,7 @@ Ctrl-C takes effect: ``dpcfl simulate`` sets :data:`stop_requested` and the next
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -43,7 +44,12 @@ stop_requested = threading.Event()
 
 
 class RunInterrupted(RuntimeError):
-    """The operator stopped the run: the ServerApp ends instead of waiting on."""
+    """The operator stopped the run: the ServerApp ends instead of waiting on. ``status``:
+    the exit status that says so (128 + the signal, as a shell reports it)."""
+
+    def __init__(self, message: str, status: int = 128 + signal.SIGINT) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def check_stop() -> None:
