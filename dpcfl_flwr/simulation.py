@@ -128,10 +128,8 @@ def _stopped_by_signals() -> Iterator[list[int]]:
     received: list[int] = []
     stop_requested.clear()
     if threading.current_thread() is not threading.main_thread():  # signals need the main one
-        try:
+        with _server_app_ends():
             yield received
-        finally:
-            stop_requested.set()
         return
     deadline: list[threading.Timer] = []
 
@@ -154,16 +152,33 @@ def _stopped_by_signals() -> Iterator[list[int]]:
     previous = {signum: signal.signal(signum, on_signal)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with signals_left_to_us():
+        with signals_left_to_us(), _server_app_ends():
             yield received
     finally:
-        # However the engine ended, the ServerApp thread must end too: the interpreter waits
-        # for it before exiting.
-        stop_requested.set()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for timer in deadline:
             timer.cancel()
+
+
+@contextlib.contextmanager
+def _server_app_ends() -> Iterator[None]:
+    """A failure of the engine itself leaves the ServerApp thread running, and the interpreter
+    waits for it before exiting: ask it to stop. After a run that ended by the ServerApp's
+    return or exception the request is withdrawn (a later run or strategy in this process
+    must not find it)."""
+    from .strategies.base import TooFewSilos
+    from .strategies.exchange import stop_requested
+
+    try:
+        yield
+    except TooFewSilos:
+        stop_requested.clear()
+        raise
+    except BaseException:
+        stop_requested.set()
+        raise
+    stop_requested.clear()
 
 
 def _kill_engine_and_exit(why: str, signum: int) -> None:

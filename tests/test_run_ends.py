@@ -213,3 +213,24 @@ def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
     assert "Traceback" not in terminal.text()
     assert not _left_after(mark)
     print(f"\nCtrl-C ended the connected silo in {seconds:.1f} s")
+
+
+def test_a_stop_request_outlives_only_an_engine_failure():
+    """After a run the ServerApp ended, nothing is left to stop a later run or strategy in
+    this process; after a failure of the engine itself, a ServerApp thread still running is
+    asked to stop (the interpreter would wait for it)."""
+    from dpcfl_flwr.simulation import _server_app_ends
+    from dpcfl_flwr.strategies.base import TooFewSilos
+    from dpcfl_flwr.strategies.exchange import stop_requested
+
+    try:
+        for raised, left_set in ((None, False), (TooFewSilos("0 of 3"), False),
+                                 (RuntimeError("Simulation Runtime crashed."), True),
+                                 (KeyboardInterrupt(), True)):
+            stop_requested.set()
+            with contextlib.suppress(Exception, KeyboardInterrupt), _server_app_ends():
+                if raised is not None:
+                    raise raised
+            assert stop_requested.is_set() == left_set, raised
+    finally:
+        stop_requested.clear()
