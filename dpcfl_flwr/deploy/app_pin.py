@@ -63,8 +63,8 @@ def refusal(fab: bytes, fab_id: str | None = None, fab_version: str | None = Non
         with zipfile.ZipFile(io.BytesIO(fab)) as archive:
             return (_refused_files(archive, sources)
                     or _refused_config(archive.read(FAB_CONFIG), fab_id, fab_version))
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError) as exc:
-        return f"not a readable FAB ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a FAB that cannot be read is refused, whatever broke
+        return f"not a readable FAB ({type(exc).__name__}: {exc})"
 
 
 def _refused_files(archive: zipfile.ZipFile, sources: Mapping[str, bytes]) -> str | None:
