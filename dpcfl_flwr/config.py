@@ -203,7 +203,13 @@ class SiloConfig(_Config):
                           metrics_noise=ExperimentConfig.model_fields["metrics_noise"].default,
                           threads=1)
         return self.model_copy(update={key: value for key, value in source.items()
-                                       if getattr(self, key) in (None, "", 0)})
+                                       if self._unset(key)})
+
+    def _unset(self, key: str) -> bool:
+        """None, an empty path, or (threads) 0: the markers of a key the silo left unset; an
+        explicit 0 elsewhere (``data-seed = 0``) is the silo's choice."""
+        value = getattr(self, key)
+        return value is None or value == "" or (key == "threads" and value == 0)
 
     @property
     def topology(self) -> Topology:

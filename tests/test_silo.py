@@ -198,3 +198,15 @@ def test_array_record_round_trip_is_lossless(experiment):
     record = initial_arrays(experiment)
     state = record.to_torch_state_dict()
     assert ArrayRecord(state).object_id == record.object_id
+
+
+def test_simulation_fills_only_what_the_node_config_leaves_unset(experiment):
+    run = parse_run_config({**experiment.to_run_config(), "seed": 5, "threads": 1})
+    own = parse_node_config({"partition-id": 1, "data-seed": 0, "test-samples": 0})
+    resolved = own.resolved(run, trust_run_config=True)
+    assert (resolved.data_seed, resolved.test_samples) == (0, 0)  # explicit zeros are kept
+    assert (resolved.epsilon, resolved.samples_per_client, resolved.threads) == (4.0, N, 1)
+    deployed = parse_node_config({"partition-id": 1, "epsilon": 2.0, "delta": 1e-6,
+                                  "ledger-path": "l.json"}).resolved(run, trust_run_config=False)
+    assert (deployed.samples_per_client, deployed.data_seed, deployed.metrics) == (500, 0,
+                                                                                    "private")
