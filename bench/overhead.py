@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
 from bench.process_cpu import ProcessCpuSampler  # noqa: E402
 from dpcfl_flwr.config import parse_run_config  # noqa: E402
-from dpcfl_flwr.deploy.localhost import LocalDeployment  # noqa: E402
+from dpcfl_flwr.deploy.localhost import LocalDeployment, silo_flags  # noqa: E402
 from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
 
 WORKERS = 2
@@ -73,9 +73,9 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
     try:
         # in memory: 21 silos on 2 cores overrun SQLite's busy timeout
         deployment.up("--in-memory", *server_options)
-        for i in range(deployment.silos):
-            deployment.silo(i, *silo_options)
         config = quick(rounds, deployment.root / "run", scale)
+        for i in range(deployment.silos):
+            deployment.silo(i, *silo_flags(config), *silo_options)
         values = {k: (f'"{v}"' if isinstance(v, str) else repr(v)) for k, v in config.items()
                   if k not in ("clusters", "out-dir")}
         values["round-timeout"] = 600.0  # a lost reply fails the bench in minutes, not an hour

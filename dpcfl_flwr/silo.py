@@ -215,14 +215,13 @@ class Silo:
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
         reserved = self._reserved_metrics(s)
         try:
-            if not self.ledger.entries and (s.budget_mode == "split" or not reserved):
-                # split: the private evaluations, like the selections, get their own share
-                epsilon = b.epsilon - PrivacyLedger().epsilon(b.delta, s.conversion, reserved)
-                plan = plan_noise(phases, epsilon, b.delta, s.select_rounds, s.select_ratio,
-                                  s.conversion, s.budget_mode)
+            if not self.ledger.entries:
+                # the run's private evaluations compose with the training (RDP)
+                plan = plan_noise(phases, b.epsilon, b.delta, s.select_rounds, s.select_ratio,
+                                  s.conversion, s.budget_mode,
+                                  extra_rdp=self.ledger.rdp(reserved) if reserved else None)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key())
-            # Earlier runs (or, composed jointly, the run's private evaluations) take part of
-            # the budget: fit the training into what is left.
+            # Earlier runs already spent part of the budget: fit this run into what is left.
             eps_select = s.select_ratio * b.epsilon
             extra = self.ledger.rdp(reserved) + s.select_rounds * selection_rdp(eps_select)
             z = calibrate_noise_multiplier(phases, b.epsilon, b.delta, s.conversion, extra)

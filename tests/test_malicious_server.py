@@ -294,7 +294,12 @@ def test_private_metrics_reserve_budget_for_the_announced_evaluations(tmp_path,
     z_exact = metrics_of(exact.train(1, cluster=-2, evaluations=6))["noise-multiplier"]
     z_private = metrics_of(private.train(1, cluster=-2, evaluations=6))["noise-multiplier"]
     assert z_private > z_exact  # six evaluations' worth of budget set aside
-    for _ in range(6):  # the announced evaluations are answered on top of the whole schedule
+    # The whole schedule (two selection rounds in it) and the announced evaluations all fit.
+    for server_round in range(2, ROUNDS + 1):
+        cluster = SELECT if server_round in (2, 3) else 0
+        reply = private.train(server_round, cluster=cluster, candidates=2, evaluations=6)
+        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    for _ in range(6):
         assert not private.evaluate().has_error()
     private.assert_within_budget()
 

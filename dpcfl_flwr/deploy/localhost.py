@@ -14,7 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .processes import descendants
 
@@ -26,6 +28,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+#: The run-config keys that fix a silo's records and reports, and the silo flag of each.
+SILO_KEYS = {"dataset": "--dataset", "shift": "--shift", "samples-per-client":
+             "--samples-per-client", "val-fraction": "--val-fraction", "test-samples":
+             "--test-samples", "data-draw": "--data-draw", "seed": "--data-seed",
+             "metrics": "--metrics", "metrics-noise": "--metrics-noise"}
+
+
+def silo_flags(run_config: Mapping[str, Any]) -> list[str]:
+    """``dpcfl client`` flags that give a silo the records and metrics policy ``run_config``
+    gives it in simulation: a deployed silo never takes them from the run config, so a local
+    deployment measured against a simulation must hand them to its silos."""
+    return [arg for key, flag in SILO_KEYS.items() if key in run_config
+            for arg in (flag, str(run_config[key]))]
 
 
 class LocalDeployment:

@@ -91,16 +91,24 @@ def plan_noise(
     phases: Sequence[GaussianPhase], epsilon_total: float, delta: float,
     select_rounds: int = 0, select_ratio: float = 0.03, conversion: Conversion = "classic",
     mode: BudgetMode = "split", orders: Sequence[float] = DEFAULT_ORDERS,
+    extra_rdp: np.ndarray | None = None,
 ) -> NoisePlan:
-    """Calibrate z for a schedule under eps_total, reserving budget for T_sel selections."""
+    """Calibrate z for a schedule under eps_total, reserving budget for T_sel selections.
+
+    ``extra_rdp``: the RDP curve (at ``orders``) of other mechanisms the run composes with the
+    training, e.g. a silo's private evaluations; they share eps_train (``split``) or the whole
+    budget (``joint``) with the DP-SGD steps, composed in RDP."""
     split = split_budget(
         epsilon_total, delta, select_rounds, select_ratio, conversion, mode, orders
     )
     if mode == "joint":
-        extra: np.ndarray | None = selection_rdp(split.epsilon_select, orders) * select_rounds
+        extra = selection_rdp(split.epsilon_select, orders) * select_rounds
+        if extra_rdp is not None:
+            extra = extra + extra_rdp
         z = calibrate_noise_multiplier(phases, epsilon_total, delta, conversion, extra, orders)
     elif mode == "split":
-        z = calibrate_noise_multiplier(phases, split.epsilon_train, delta, conversion, None, orders)
+        z = calibrate_noise_multiplier(phases, split.epsilon_train, delta, conversion, extra_rdp,
+                                       orders)
     else:
         raise ValueError(f"budget mode must be 'split' or 'joint', got {mode!r}")
     return NoisePlan(z, split, tuple(phases))
