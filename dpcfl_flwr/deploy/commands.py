@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,6 +159,11 @@ def submit(
     except (ValueError, OSError) as exc:
         _stop([str(exc)])
         return
+    undeclared = _undeclared_keys(app_dir, experiment.to_run_config())
+    if undeclared:  # Flower would refuse the run with "Invalid run configuration" only
+        _stop([f"the app in {app_dir} does not declare the run-config key(s) "
+               f"{', '.join(undeclared)} in \\[tool.flwr.app.config] of its pyproject.toml "
+               "(is it another version of dpcfl-flwr?)"])
     settings = ServerSettings(insecure=insecure, api_address=superlink,
                               connection="dpcfl-submit")
     settings.certs = None if root_certificates is None else root_certificates.parent
@@ -187,6 +193,16 @@ def submit(
                      "`flwr stop RUN-ID dpcfl-submit` ends it)", highlight=False)
         code = 128 + signal.SIGINT
     raise typer.Exit(code=code)
+
+
+def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
+    """The keys of ``run_config`` that the app's ``[tool.flwr.app.config]`` lacks."""
+    try:
+        with (app_dir / "pyproject.toml").open("rb") as handle:
+            declared = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return []  # not an app Flower can run either: `flwr run` says why
+    return sorted(set(run_config) - set(declared))
 
 
 def client(
