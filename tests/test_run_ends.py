@@ -24,6 +24,7 @@ from dpcfl_flwr.data.readers import FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV_
 from dpcfl_flwr.deploy.localhost import free_port
 
 DPCFL = [sys.executable, "-m", "dpcfl_flwr.cli"]
+REPO = Path(__file__).resolve().parents[1]
 TINY = {"clusters": '"1,2"', "n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
 SILOS = 3
 ENDS_WITHIN = 10.0  # s from Ctrl-C to exit: about 3 s here, 5 s at most before a kill
@@ -181,18 +182,19 @@ def test_ctrl_c_ends_a_silo_without_a_superlink_within_seconds(tmp_path):
 
 @pytest.fixture()
 def superlink(tmp_path):
-    """An insecure SuperLink for one test (``dpcfl server``), and its fleet port."""
+    """An insecure SuperLink for one test (``dpcfl server``): its fleet and control ports."""
     env, mark = _marked_env()
-    fleet = free_port()
+    env["FLWR_HOME"] = str(tmp_path / "flwr")
+    fleet, control = free_port(), free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen([*DPCFL, "server", "--insecure", "--in-memory",
                                "--fleet-address", f"127.0.0.1:{fleet}", "--api-address",
-                               f"127.0.0.1:{free_port()}", "--state", str(tmp_path / "state")],
+                               f"127.0.0.1:{control}", "--state", str(tmp_path / "state")],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
                               start_new_session=True)
     _wait_until(lambda: "ready:" in (tmp_path / "server.log").read_text(), 120,
                 "ready SuperLink")
-    yield fleet
+    yield fleet, control
     os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=30)
@@ -204,7 +206,7 @@ def superlink(tmp_path):
 
 def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
     env, mark = _marked_env()
-    terminal = Terminal(_client(superlink, free_port(), tmp_path / "ledger.json"), env,
+    terminal = Terminal(_client(superlink[0], free_port(), tmp_path / "ledger.json"), env,
                         tmp_path)
     _wait_until(lambda: "SuperNode ID" in terminal.text(), 120, "connected SuperNode")
     assert len(_marked(mark)) >= 2  # the supervisor and its SuperNode
@@ -213,6 +215,30 @@ def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
     assert "Traceback" not in terminal.text()
     assert not _left_after(mark)
     print(f"\nCtrl-C ended the connected silo in {seconds:.1f} s")
+
+
+def test_ctrl_c_ends_a_submit_within_seconds_and_says_the_run_may_go_on(tmp_path, request):
+    import tomllib
+
+    from dpcfl_flwr.config import parse_run_config
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    missing = set(parse_run_config({}).to_run_config()) - set(declared["config"])
+    if missing:  # dpcfl submit refuses to send them, Flower would refuse the run
+        pytest.skip(f"pyproject.toml does not declare {sorted(missing)} yet")
+    superlink = request.getfixturevalue("superlink")
+    env, mark = _marked_env()
+    env["FLWR_HOME"] = str(tmp_path / "submit-home")
+    terminal = Terminal([*DPCFL, "submit", "--superlink", f"127.0.0.1:{superlink[1]}",
+                         "--insecure", "--app", str(REPO), "--set",
+                         f'out-dir="{tmp_path / "run"}"'], env, tmp_path)
+    _wait_until(lambda: "Starting logstream" in terminal.text(), 120, "log stream")
+    seconds = terminal.ctrl_c()
+    shown = terminal.text()
+    assert terminal.process.returncode == 130, shown[-2000:]
+    assert seconds < ENDS_WITHIN and "it may go on on the SuperLink" in shown, shown[-2000:]
+    assert "Traceback" not in shown
+    assert not _left_after(mark)
 
 
 def test_a_stop_request_outlives_only_an_engine_failure():
