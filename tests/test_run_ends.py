@@ -260,3 +260,15 @@ def test_a_stop_request_outlives_only_an_engine_failure():
             assert stop_requested.is_set() == left_set, raised
     finally:
         stop_requested.clear()
+
+
+def test_ray_leaves_the_sigterm_handler_to_the_simulation():
+    import ray._private.utils as ray_utils
+
+    from dpcfl_flwr.engine_tuning import signals_left_to_us
+
+    ours = signal.getsignal(signal.SIGTERM)
+    with signals_left_to_us():
+        ray_utils.set_sigterm_handler(lambda *_: None)  # what ray.init does
+        assert signal.getsignal(signal.SIGTERM) is ours
+    assert ray_utils.set_sigterm_handler.__module__ == "ray._private.utils"
