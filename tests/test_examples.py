@@ -24,3 +24,15 @@ def test_the_four_paper_settings_exist_at_both_scales():
     names = {p.name for p in EXAMPLES}
     for setting in ("mnist", "fmnist", "cifar10-rotation", "cifar10-labelflip"):
         assert {f"{setting}-cpu.toml", f"{setting}-paper.toml"} <= names
+
+
+def test_the_apps_run_config_declares_every_key_with_its_default():
+    """`flwr run` refuses a run-config key the app's pyproject.toml does not declare, so every
+    key of the run config stands there, with the value the code defaults to."""
+    import tomllib
+
+    from dpcfl_flwr.config import ExperimentConfig
+
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    assert declared == ExperimentConfig().to_run_config()
