@@ -197,7 +197,7 @@ def simulate(
                   "again); pass --overwrite or another --out")
             return
         shutil.rmtree(out_dir)
-    _configure_logging(verbose)
+    _configure_logging(verbose, round_lines=quiet)
     console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {experiment.dataset} "
                   f"({experiment.shift}, clusters {experiment.clusters}), "
                   f"E={experiment.num_server_rounds}, eps={experiment.epsilon:g} -> {out_dir}")
@@ -305,7 +305,9 @@ def report(
             console.print(f"figure: {figure}")
 
 
-def _configure_logging(verbose: bool) -> None:
+def _configure_logging(verbose: bool, round_lines: bool = False) -> None:
+    """Rich log lines; unless ``verbose``, framework chatter only from warnings up, and the
+    strategy's round lines only with ``round_lines`` (--quiet: no live view shows them)."""
     import logging
 
     from rich.logging import RichHandler
@@ -314,7 +316,8 @@ def _configure_logging(verbose: bool) -> None:
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not verbose:
         # The live view already shows every round; keep framework chatter to warnings.
-        quiet = ("flwr", "ray", "alembic", "dpcfl_flwr.strategies.base")
+        quiet = ("flwr", "ray", "alembic") + (() if round_lines else
+                                               ("dpcfl_flwr.strategies.base",))
         handler.addFilter(lambda record: record.levelno >= logging.WARNING
                           or not record.name.startswith(quiet))
     logging.basicConfig(level=logging.INFO, handlers=[handler], format="%(message)s",
