@@ -106,6 +106,20 @@ def test_required_clients_stop_a_run_with_too_few_silos_before_any_trains(
     assert not grid.sent
 
 
+@pytest.mark.parametrize(("method", "broken", "needed"), [
+    ("rdpcfl", {0, 1, 2, 3, 4}, 4), ("km", {0, 1, 2, 3, 4, 5}, 3)])
+def test_a_clustering_method_stops_before_round_one_without_enough_silos(
+        server_task_identity, method, broken, needed):
+    """R-DPCFL with M = 3 clusters round 1's updates (M + 1 = 4 silos at least), k-means
+    needs M; neither may let a silo spend budget on a round 1 it cannot cluster."""
+    experiment, strategy, grid, _ = _setup(broken, method)
+    survivors = len(TRUTH) - len(broken)
+    with pytest.raises(TooFewSilos, match=rf"^{survivors} of 8 silos can run .*; at least "
+                                          rf"{needed} needed \({method}.* needs {needed}\)$"):
+        strategy.discover(grid, experiment.expected_clients, 600)
+    assert not grid.of_type("train")
+
+
 def test_a_stop_request_ends_the_servers_wait(server_task_identity):
     _, _, grid, _ = _setup(set())
     grid.responders = {}  # nobody answers: the exchange would wait for its timeout

@@ -28,6 +28,10 @@ class KMeansCFL(ClusteredStrategy):
         super().__init__(experiment, initial, experiment.n_clusters, observer)
         self.labels: dict[int, int] = {}
 
+    def silos_needed(self) -> int:
+        """k-means with M centres needs at least M updates."""
+        return self.n_clusters
+
     def round_batch(self, server_round: int) -> int | Literal["full"]:
         return self.experiment.batch_size
 

@@ -122,6 +122,11 @@ class RDPCFL(ClusteredStrategy):
                 self.choice[partition] = reply.cluster
         super().absorb(server_round, replies)
 
+    def silos_needed(self) -> int:
+        """Round 1 clusters the silos' updates: a GMM with M components on M - 1 axes needs
+        M + 1 of them, and choosing M by MSS at least 3."""
+        return max(3, self.experiment.n_clusters + 1)
+
     def _cluster_round_one(self, replies: dict[int, TrainReply]) -> None:
         updates = {p: r.update for p, r in replies.items() if r.update is not None}
         partitions = sorted(updates)
