@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .config import ExperimentConfig, SiloConfig
-from .data import ClientData, load_dataset, make_client_data
+from .data import ClientData, DataError, load_dataset, make_client_data
 from .models import build_model
 from .privacy import (
     GaussianSteps,
@@ -114,6 +114,19 @@ def _client_data(silo: SiloConfig) -> ClientData:
                             val_fraction=float(silo.val_fraction or 0),
                             test_samples=silo.test_samples or None, dataset=silo.dataset,
                             draw=silo.data_draw)
+
+
+def records_problem(settings: SiloConfig) -> str | None:
+    """Why a silo with these resolved settings could not build its train / validation / test
+    split (its partition outside its topology, a missing or damaged data file), in one line;
+    None: it can. ``dpcfl client`` asks before the silo connects, so a silo that would fail
+    every message never joins a run."""
+    try:
+        settings.topology.cluster_of(settings.partition_id)
+        _client_data(settings)
+    except (DataError, ValueError, OSError) as exc:
+        return f"the silo's records: {exc}"
+    return None
 
 
 class Silo:

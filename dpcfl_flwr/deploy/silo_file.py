@@ -144,9 +144,14 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
     """Everything that would stop the silo, as messages for people (empty: ready)."""
     problems = []
     try:
-        deployed_settings(node)
+        settings = deployed_settings(node)
     except ConfigError as exc:
         problems.append(str(exc))
+    else:
+        if not settings.data_dir or Path(settings.data_dir).is_dir():  # else said below
+            from ..silo import records_problem  # noqa: PLC0415 (torch, once flags parse)
+
+            problems += [problem for problem in [records_problem(settings)] if problem]
     if silo.insecure and silo.root_certificates:
         problems.append("insecure = true and root-certificates are both set: choose one")
     if not silo.insecure and not silo.root_certificates:
