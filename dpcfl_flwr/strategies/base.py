@@ -485,6 +485,12 @@ class ClusteredStrategy(Strategy):
                 self._cannot_start(node, f"it described itself in a way the server cannot use: "
                                          f"{exc}", now)
                 continue
+            holder = self.silos.get(int(fields[0]))
+            if holder is not None and holder.node_id != node and holder.node_id in present:
+                self._cannot_start(node, f"partition {int(fields[0])} is already node "
+                                         f"{holder.node_id}'s, which is still connected: two "
+                                         "silos cannot share one partition id", now)
+                continue
             self.failed.pop(node, None)
             self._register(node, fields)
         return present
