@@ -217,10 +217,17 @@ class Silo:
             if stored["schedule_key"] != schedule.key():
                 raise BudgetExceeded("the server changed the DP schedule in the middle of a run")
             return SiloPlan(**stored)
+        spent_before = self.spent()
         plan = self._calibrate(schedule)
         runs[str(self.run_id)] = plan.__dict__
-        logger.info("silo %s: z=%.4f for %s", self.silo.partition_id, plan.noise_multiplier,
-                    schedule)
+        if spent_before > 0:
+            logger.warning("silo %s starts run %s with epsilon %.4g of %g already spent in "
+                           "earlier runs: z=%.4f for what is left (%s)", self.silo.partition_id,
+                           self.run_id, spent_before, self.budget.epsilon,
+                           plan.noise_multiplier, schedule)
+        else:
+            logger.info("silo %s: z=%.4f for %s", self.silo.partition_id,
+                        plan.noise_multiplier, schedule)
         return plan
 
     def _calibrate(self, s: Schedule) -> SiloPlan:

@@ -4,6 +4,7 @@ so no run waits on it or spends the other silos' budget meanwhile."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,12 @@ DPCFL = str(Path(sys.executable).parent / "dpcfl")
 
 
 def _client(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    wide = {**os.environ, "COLUMNS": "300"}  # the plan's cells on one line each
     return subprocess.run(
         [DPCFL, "client", "--name", "s", "--insecure", "--superlink", "127.0.0.1:9",
          "--runtime-port", "9", "--epsilon", "3", "--delta", "1e-5", "--ledger-path",
          str(tmp_path / "ledger.json"), "--dry-run", *flags],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=wide)
 
 
 @pytest.mark.parametrize(("flags", "says"), [
@@ -41,3 +43,16 @@ def test_a_silo_whose_records_are_readable_prints_its_plan(tmp_path):
     result = _client(tmp_path, "--partition-id", "2")
     assert result.returncode == 0, result.stderr
     assert "silo s" in result.stdout and "error" not in result.stderr
+
+
+def test_the_plan_says_what_earlier_runs_already_spent(tmp_path):
+    from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
+
+    ledger = PrivacyLedger()
+    ledger.record([GaussianSteps(5.0, 1.0, 3, round=1)])
+    ledger.save(tmp_path / "ledger.json")
+    spent = ledger.spent(PrivacyBudget(3.0, 1e-5))
+    result = _client(tmp_path, "--partition-id", "2")
+    plan = " ".join(result.stdout.split())
+    assert f"epsilon {spent:.4g} of 3 already spent in earlier runs" in plan, plan
+    assert f"{3 - spent:.4g} left" in plan

@@ -295,7 +295,7 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
     test = node.test_samples or "the dataset's default"
     return {
         "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}",
-        "ledger": node.ledger_path,
+        "ledger": f"{node.ledger_path} ({_spent_so_far(node)})",
         "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
                    f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
                    f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
@@ -305,6 +305,22 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
         if node.metrics == "private" else "exact (for a trusted server only)",
         "device / threads": f"{node.device} / {node.threads}",
     }
+
+
+def _spent_so_far(node: SiloConfig) -> str:
+    """What the silo's ledger already holds: earlier runs' spend is not available to this one."""
+    from ..privacy import PrivacyBudget, PrivacyLedger  # noqa: PLC0415
+
+    assert node.epsilon is not None and node.delta is not None  # resolved
+    try:
+        ledger = PrivacyLedger.load(node.ledger_path)
+    except ValueError as exc:
+        return f"unreadable: {exc}"
+    if not ledger.entries:
+        return "new: nothing spent yet"
+    spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta))
+    return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
+            f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 
 
 #: How long a silo's SuperNode or a submit's `flwr run` may take to end after Ctrl-C before it
