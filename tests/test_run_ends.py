@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -236,9 +237,36 @@ def test_ctrl_c_ends_a_submit_within_seconds_and_says_the_run_may_go_on(tmp_path
     seconds = terminal.ctrl_c()
     shown = terminal.text()
     assert terminal.process.returncode == 130, shown[-2000:]
-    assert seconds < ENDS_WITHIN and "it may go on on the SuperLink" in shown, shown[-2000:]
+    run_id = re.search(r"Successfully started run (\d+)", shown).group(1)
+    assert seconds < ENDS_WITHIN, shown[-2000:]
+    assert f"stopped following run {run_id}; it goes on on the SuperLink" in shown
+    assert f"flwr log {run_id} dpcfl-submit` follows it" in shown
+    assert f"flwr stop {run_id} dpcfl-submit` stops it" in shown
     assert "Traceback" not in shown
     assert not _left_after(mark)
+
+
+def test_a_submitted_run_that_fails_ends_submit_with_its_error_line(tmp_path, superlink):
+    """`flwr run --stream` exits 0 whatever becomes of the run; `dpcfl submit` asks the
+    SuperLink how it ended and exits 1 with the ServerApp's own error line last."""
+    env, mark = _marked_env()
+    env["FLWR_HOME"] = str(tmp_path / "submit-home")
+    started = time.monotonic()
+    run = subprocess.run([*DPCFL, "submit", "--superlink", f"127.0.0.1:{superlink[1]}",
+                          "--insecure", "--app", str(REPO), *_settings(**{
+                              "method": '"global"', "wait-for-clients": 1,
+                              "out-dir": f'"{tmp_path / "run"}"'})],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    elapsed = time.monotonic() - started
+    run_id = re.search(r"Successfully started run (\d+)", run.stdout).group(1)
+    # No silo connected: the ServerApp stops before round 1 (TooFewSilos, Flower's exit 201).
+    assert "ServerApp raised an exception" in run.stdout  # the log stream went through
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr
+    last = [line for line in run.stderr.splitlines() if line.strip()][-1]
+    assert last == (f"error: run {run_id} failed: 0 of {SILOS} silos can run ({SILOS} did "
+                    "not connect within 1 s); at least 1 needed"), run.stderr
+    assert not _left_after(mark)
+    print(f"\nfailed run: dpcfl submit exit {run.returncode} after {elapsed:.1f} s")
 
 
 def test_a_stop_request_outlives_only_an_engine_failure():

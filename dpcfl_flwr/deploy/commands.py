@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..config import ConfigError, SiloConfig
@@ -28,6 +29,7 @@ from ..simulation import _toml_value
 from . import app_pin
 from .certs import make_certificates
 from .compose import ComposeOptions, compose_yaml, silo_files
+from .runs import StreamWatch, final_status, follow_hint
 from .silo_file import (
     check_silo,
     deployed_settings,
@@ -165,13 +167,13 @@ def submit(
                f"{', '.join(undeclared)} in \\[tool.flwr.app.config] of its pyproject.toml "
                "(is it another version of dpcfl-flwr?)"])
     settings = ServerSettings(insecure=insecure, api_address=superlink,
-                              connection="dpcfl-submit")
+                              connection=SUBMIT_CONNECTION)
     settings.certs = None if root_certificates is None else root_certificates.parent
     home = write_connection(settings, root_certificates).parent
     run_config = home / "dpcfl-run-config.toml"
     run_config.write_text("".join(f"{k} = {_toml_value(v)}\n"
                                   for k, v in experiment.to_run_config().items()))
-    command = [flower_tool("flwr") or "flwr", "run", str(app_dir), "dpcfl-submit",
+    command = [flower_tool("flwr") or "flwr", "run", str(app_dir), SUBMIT_CONNECTION,
                "--run-config", str(run_config)]
     if stream:
         command.append("--stream")
@@ -179,20 +181,72 @@ def submit(
                   f"{experiment.expected_clients} silos) to {superlink}")
     os.environ.setdefault("FLWR_HOME", str(home))
     use_this_environment()
+    code, watch, stopped = _follow(command)
+    hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
+    run = "the run" if watch.run_id is None else f"run {watch.run_id}"
+    if stopped:
+        errors.print(f"stopped following {run}; it goes on on the SuperLink ({hint})",
+                     highlight=False, markup=False)
+        raise typer.Exit(code=128 + signal.SIGINT)
+    if code != 0 or watch.run_id is None:
+        raise typer.Exit(code=code or 1)  # `flwr run` has said why
+    if not stream:
+        console.print(f"{run} started ({hint})", highlight=False, markup=False)
+        raise typer.Exit(code=0)
+    _end_with_outcome(watch)
+
+
+#: The Flower connection `dpcfl submit` writes into $FLWR_HOME/config.toml and runs with.
+SUBMIT_CONNECTION = "dpcfl-submit"
+
+
+def _follow(command: list[str]) -> tuple[int, StreamWatch, bool]:
+    """Run ``flwr run``, passing its output through while watching it for the run id and the
+    ServerApp's error line: (exit code, what was seen, stopped by Ctrl-C / SIGTERM)."""
     # A child in a process group of its own, so a terminal's Ctrl-C reaches it once, from here;
-    # no stdin: in a background group a read would stop it instead of failing.
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, process_group=0,
+    # no stdin: in a background group a read would stop it instead of failing. Unbuffered: its
+    # output is a pipe, and the log stream must reach the terminal as it comes.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               text=True, bufsize=1, process_group=0,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                preexec_fn=_die_with_parent)
+    watch = StreamWatch()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            watch.see(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     stopped = _forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
     code = process.wait()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # anything it left in its group
-    if stopped():
-        errors.print(f"stopped following the run; it may go on on the SuperLink "
-                     f"(`FLWR_HOME={os.environ['FLWR_HOME']} flwr ls dpcfl-submit` lists it, "
-                     "`flwr stop RUN-ID dpcfl-submit` ends it)", highlight=False)
-        code = 128 + signal.SIGINT
-    raise typer.Exit(code=code)
+    reader.join(timeout=5)
+    return code, watch, stopped()
+
+
+def _end_with_outcome(watch: StreamWatch) -> None:
+    """Exit 0 if the followed run completed; otherwise 1, its one error line last."""
+    assert watch.run_id is not None
+    status = final_status(flower_tool("flwr") or "flwr", SUBMIT_CONNECTION, watch.run_id,
+                          os.environ)
+    hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
+    if status is None or not status.finished:
+        errors.print(f"[bold red]error:[/] the log stream of run {watch.run_id} ended but the "
+                     f"SuperLink does not say the run finished "
+                     f"({'no answer' if status is None else status.status}); "
+                     f"{escape(hint)}", highlight=False)
+        raise typer.Exit(code=1)
+    failure = status.failure(watch.app_error)
+    if failure is not None:
+        errors.print(f"[bold red]error:[/] run {watch.run_id} failed: {escape(failure)}",
+                     highlight=False)
+        raise typer.Exit(code=1)
+    console.print(f"run {watch.run_id} completed", highlight=False)
 
 
 def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
