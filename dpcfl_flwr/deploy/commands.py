@@ -42,6 +42,8 @@ from .superlink import (
     DEFAULT_PULL_HOLD,
     ServerSettings,
     check_server,
+    dial_addresses,
+    listen_problems,
     register_keys,
     superlink_command,
     wait_until_listening,
@@ -64,7 +66,10 @@ def certs(
     san: list[str] = typer.Option(None, "--san", help="Name or IP the silos dial (repeat)."),
     nodes: int = typer.Option(0, "--nodes", min=0, help="Node key pairs silo-00 .. silo-NN."),
     node_name: list[str] = typer.Option(None, "--node-name", help="Named node key pairs."),
-    overwrite: bool = typer.Option(False, "--overwrite"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite",
+        help="Replace existing files: a new CA, SuperLink certificate and node keys (every "
+             "silo then needs the new ca.crt and its new key pair)."),
     keep: bool = typer.Option(False, "--keep", help="Succeed without change if a CA exists."),
 ) -> None:
     """Make a CA, the SuperLink certificate and the silos' node-authentication keys."""
@@ -109,7 +114,7 @@ def server(
     settings = ServerSettings(certs_dir, insecure, not (no_node_auth or insecure), fleet, api,
                               state, connection, register=list(register or []),
                               in_memory=in_memory, pull_hold=pull_hold)
-    _stop_if(check_server(settings))
+    _stop_if(check_server(settings) + listen_problems(settings))
     command = superlink_command(settings)
     _print_plan("SuperLink", {
         "fleet API (silos, gRPC)": fleet, "control API (flwr run)": api,
@@ -124,21 +129,55 @@ def server(
     state.mkdir(parents=True, exist_ok=True)
     write_connection(settings)
     use_this_environment()
-    process = subprocess.Popen(command)
-    _forward_signals(process)
-    if not wait_until_listening(api, timeout=60) or not wait_until_listening(fleet, 60):
-        process.terminate()
-        _stop(["the SuperLink did not start listening within 60 s (see its log above)"])
+    # A process group of its own (a terminal's Ctrl-C reaches it once, from here) that ends
+    # with this supervisor, even when it is killed (parent-death signal): an orphaned
+    # SuperLink would hold the ports the next `dpcfl server` needs.
+    process = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent)
+    _forward_signals(process, group=True, grace=SUPERLINK_STOP_GRACE_SECONDS)
+    try:
+        _bring_up(settings, process)
+        if ready_file is not None:
+            ready_file.touch()
+        code = process.wait()
+    finally:
+        _end_group(process, SUPERLINK_STOP_GRACE_SECONDS)
+    raise typer.Exit(code=code)
+
+
+#: How long a SuperLink may take to end after SIGTERM before it is killed.
+SUPERLINK_STOP_GRACE_SECONDS = 10.0
+
+
+def _bring_up(settings: ServerSettings, process: subprocess.Popen) -> None:
+    """Wait until the SuperLink listens, register the silos' keys (a key registered before
+    is left as it is) and say what silos dial; stop with one line on any failure."""
+    def alive() -> bool:
+        return process.poll() is None
+
+    for address in (settings.api_address, settings.fleet_address):
+        if not wait_until_listening(address, 60, alive):
+            _stop([f"the SuperLink exited with code {process.returncode} before it listened "
+                   "(see its log above)" if not alive() else
+                   f"the SuperLink did not listen on {address} within 60 s"])
     if settings.register:
-        failures = register_keys(settings, settings.register)
-        if failures:
-            process.terminate()
-            _stop([f"could not register {f}" for f in failures])
-        console.print(f"registered {len(settings.register)} silo key(s)")
-    console.print(f"ready: silos connect to {fleet}; run with `flwr run . {connection}`")
-    if ready_file is not None:
-        ready_file.touch()
-    raise typer.Exit(code=process.wait())
+        done = register_keys(settings, settings.register)
+        _stop_if(done.failures)
+        console.print(f"registered {len(done.registered)} silo key(s)"
+                      + (f", {len(done.already)} registered before" if done.already else ""))
+    console.print(f"ready: silos dial {' or '.join(dial_addresses(settings))}; "
+                  f"run with `flwr run . {settings.connection}`", highlight=False,
+                  soft_wrap=True)
+
+
+def _end_group(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM ``process``'s group, SIGKILL it after ``grace`` s (anything left in it too)."""
+    with contextlib.suppress(ProcessLookupError):
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=grace)
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def submit(

@@ -64,7 +64,7 @@ def silo_file_text(topology: Topology, index: int, superlink: str, runtime_port:
     split = "\n".join(f"{key} = {_toml(value)}"
                       for key, value in silo_split(experiment, topology).items())
     return f'''# {name}: client {index} of topology {{{topology}}}, true cluster {cluster} ({role}).
-# Launch with `dpcfl client clients/{name}.toml` (paths are relative to this file).
+# Launch with `dpcfl client PATH-OF-THIS-FILE` (relative paths below are relative to it).
 # Its budget, ledger and records are its own: the server's run config never changes them.
 name = "{name}"
 superlink = "{superlink}"

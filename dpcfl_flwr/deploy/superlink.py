@@ -9,16 +9,21 @@ in the foreground with the SuperLink.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
+from cryptography import x509
 from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 
 from .silo_file import _check_certificate, flower_tool
@@ -123,11 +128,97 @@ def write_connection(s: ServerSettings, root_certificates: Path | None = None) -
     return path
 
 
-def wait_until_listening(address: str, timeout: float) -> bool:
+def listen_problems(s: ServerSettings) -> list[str]:
+    """One line per address the SuperLink could not listen on (a port in use names the
+    process holding it when this machine says): checked before anything starts, instead of
+    Flower's traceback once the SuperLink is half up."""
+    problems = []
+    for flag, address in (("--fleet-address", s.fleet_address), ("--api-address",
+                                                                 s.api_address)):
+        host, _, port = address.rpartition(":")
+        if host and port.isdigit() and (problem := _bind_problem(host.strip("[]"), int(port))):
+            problems.append(f"{flag} {address}: {problem}")
+    return problems
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror})"
+    with socket.socket(family, kind, proto) as probe:
+        # SO_REUSEADDR: a closed SuperLink's connections in TIME_WAIT do not hold the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return f"cannot listen there ({exc.strerror})"
+            holder = _listening_process(port)
+            return (f"port {port} is already in use{f' by {holder}' if holder else ''}; stop "
+                    "that process (a SuperLink left by a killed `dpcfl server`?) or choose "
+                    "another port")
+    return None
+
+
+def _listening_process(port: int) -> str | None:
+    """``pid N (command)`` of a process listening on TCP ``port``, if /proc shows one."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in sockets for fd in fd_dir.iterdir()):
+                argv = (fd_dir.parent / "cmdline").read_bytes().decode(errors="replace")
+                program, *arguments = argv.split("\0")
+                shown = " ".join([Path(program).name, *arguments[:2]])
+                return f"pid {fd_dir.parent.name} ({shown})"
+        except OSError:
+            continue
+    return None
+
+
+def dial_addresses(s: ServerSettings) -> list[str]:
+    """What a silo can dial to reach the Fleet API: the listening address itself, or, when it
+    listens on every interface, the names in the SuperLink's certificate (with TLS a silo
+    must dial one of them anyway) or this machine's name."""
+    host, _, port = s.fleet_address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return [s.fleet_address]
+    names = [socket.getfqdn()]
+    if not s.insecure and s.certs is not None:
+        try:
+            pem = (s.certs / "server.pem").read_bytes()
+            names = [str(n.value) for n in x509.load_pem_x509_certificate(pem).extensions
+                     .get_extension_for_class(x509.SubjectAlternativeName).value]
+        except (OSError, ValueError, x509.ExtensionNotFound):
+            pass
+    return [f"[{n}]:{port}" if _is_ipv6(n) else f"{n}:{port}" for n in names]
+
+
+def _is_ipv6(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).version == 6
+    except ValueError:
+        return False
+
+
+def wait_until_listening(address: str, timeout: float,
+                         alive: Callable[[], bool] = lambda: True) -> bool:
+    """Whether ``address`` accepts connections within ``timeout`` s (False at once when
+    ``alive()`` says the process that should listen there has ended)."""
     host, _, port = address.rpartition(":")
     host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and alive():
         try:
             with socket.create_connection((host, int(port)), timeout=1):
                 return True
@@ -136,15 +227,48 @@ def wait_until_listening(address: str, timeout: float) -> bool:
     return False
 
 
-def register_keys(s: ServerSettings, keys: list[Path]) -> list[str]:
-    """Register silo public keys with the SuperLink; returns failure messages."""
+#: Flower's error code for a public key that a node already has: registering it again
+#: changes nothing, so for a restarted SuperLink (its state kept) it is not a failure.
+PUBLIC_KEY_ALREADY_IN_USE = 23
+
+
+@dataclass
+class Registration:
+    registered: list[Path] = field(default_factory=list)
+    already: list[Path] = field(default_factory=list)  # registered before (kept state)
+    failures: list[str] = field(default_factory=list)  # one line each, for people
+
+
+def register_keys(s: ServerSettings, keys: list[Path]) -> Registration:
+    """Register silo public keys with the SuperLink (``flwr supernode register``); a key
+    that is registered already is left as it is."""
     env = {**os.environ, "FLWR_HOME": str(s.flwr_home)}
-    failures = []
+    result = Registration()
     for key in keys:
         done = subprocess.run([flower_tool("flwr") or "flwr", "supernode", "register",
-                               str(key), s.connection,
-                               "--name", key.stem], capture_output=True, text=True, env=env,
-                              check=False, timeout=120)
-        if done.returncode != 0:
-            failures.append(f"{key}: {(done.stdout + done.stderr).strip().splitlines()[-1:]}")
-    return failures
+                               str(key), s.connection, "--name", key.stem, "--format", "json"],
+                              capture_output=True, text=True, env=env, check=False,
+                              timeout=120)
+        answer = _json_answer(done.stdout)
+        if answer.get("success") is True:
+            result.registered.append(key)
+        elif f"[code: {PUBLIC_KEY_ALREADY_IN_USE}]" in str(answer.get("error-message")):
+            result.already.append(key)
+        else:
+            reason = answer.get("error-message") or done.stderr or done.stdout
+            lines = [line.strip(" │╭╮╰╯─") for line in str(reason).splitlines()]
+            # Flower opens every message with the connection it used: not the reason.
+            lines = [line for line in lines if line and not line.startswith("Using SuperLink")]
+            result.failures.append(f"could not register {key}: "
+                                   f"{' '.join(lines) or f'flwr exited with {done.returncode}'}")
+    return result
+
+
+def _json_answer(output: str) -> dict[str, object]:
+    """The JSON object that ``flwr ... --format json`` prints (after any other output)."""
+    start = output.find("{")
+    try:
+        answer = json.loads(output[start:]) if start >= 0 else {}
+    except json.JSONDecodeError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
