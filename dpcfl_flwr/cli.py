@@ -290,12 +290,14 @@ def report(
         return
     console.print(summary_table(results))
     table = Table(title="silos", show_header=True)
-    for column in ("partition", "true cluster", "final cluster", "test acc", "eps spent",
-                   "dropped", "refused"):
+    for column in ("partition", "true cluster", "final cluster", "test acc", "round",
+                   "eps spent", "before run", "dropped", "refused"):
         table.add_column(column)
     for c in results["clients"]:
         table.add_row(str(c["partition"]), str(c["true_cluster"]), str(c["final_cluster"]),
-                      percent(c["test_accuracy"]), f"{c['epsilon_spent']:.3f}",
+                      percent(c["test_accuracy"]) + (" stale" if c.get("stale") else ""),
+                      str(c.get("evaluated_round") or "-"), f"{c['epsilon_spent']:.3f}",
+                      f"{c.get('epsilon_spent_before_run') or 0.0:.3f}",
                       str(c["dropped_rounds"] or ""), str(c["refused_rounds"] or ""))
     console.print(table)
     if not results.get("complete"):

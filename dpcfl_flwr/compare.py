@@ -143,8 +143,8 @@ def run_grid(runs: Iterable[GridRun], base: dict[str, Any],
             continue
         summary = run.results()["summary"]  # type: ignore[index]
         report(f"[{index}/{len(runs)}] {run.label}: {time.monotonic() - started:.0f} s, "
-               f"accuracy {100 * summary['mean_accuracy']:.1f}%, minority "
-               f"{100 * summary['minority_accuracy']:.1f}%")
+               f"accuracy {_percent(summary.get('mean_accuracy'))}, minority "
+               f"{_percent(summary.get('minority_accuracy'))}")
     return failed
 
 
@@ -175,9 +175,9 @@ def collect(runs: Iterable[GridRun]) -> list[Cell]:
     for (method, epsilon), results in groups.items():
         summaries = [r["summary"] for r in results]
         clustered = method in CLUSTERING_METHODS
-        cells.append(Cell(
-            method, epsilon, [s["mean_accuracy"] for s in summaries],
-            [s["minority_accuracy"] for s in summaries],
+        cells.append(Cell(  # a run without a minority (or unknown figures) adds none
+            method, epsilon, _known(s.get("mean_accuracy") for s in summaries),
+            _known(s.get("minority_accuracy") for s in summaries),
             sum(bool(r["clustering"].get("found_structure")) for r in results)
             if clustered else None,
             sum(bool(r["clustering"].get("minority_isolated")) for r in results)
@@ -187,6 +187,18 @@ def collect(runs: Iterable[GridRun]) -> list[Cell]:
                   if c.get("noise_multiplier") is not None), default=0.0) for r in results],
             [s.get("max_epsilon_spent") or 0.0 for s in summaries]))
     return cells
+
+
+def _known(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _mean_std(values: list[float]) -> tuple[float | str, float | str]:
+    return (float(np.mean(values)), float(np.std(values))) if values else ("", "")
 
 
 def _pm(values: list[float]) -> str:
@@ -235,8 +247,8 @@ def write_reports(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[
                          "minority_mean", "minority_std", "found_structure",
                          "minority_isolated", "max_noise_multiplier", "max_epsilon_spent"])
         for c in sorted(cells, key=lambda c: (c.method, c.epsilon)):
-            writer.writerow([c.method, c.epsilon, c.seeds, np.mean(c.accuracy),
-                             np.std(c.accuracy), np.mean(c.minority), np.std(c.minority),
+            writer.writerow([c.method, c.epsilon, c.seeds, *_mean_std(c.accuracy),
+                             *_mean_std(c.minority),
                              "" if c.found_structure is None else c.found_structure,
                              "" if c.minority_isolated is None else c.minority_isolated,
                              max(c.noise, default=""), max(c.spent, default="")])
@@ -253,7 +265,7 @@ def _plot(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float],
     for ax, field, title in ((axes[0], "accuracy", "all clients"),
                              (axes[1], "minority", "minority clients")):
         for method in methods:
-            xs = [e for e in epsilons if (method, e) in by]
+            xs = [e for e in epsilons if (method, e) in by and getattr(by[(method, e)], field)]
             means = [100 * np.mean(getattr(by[(method, e)], field)) for e in xs]
             stds = [100 * np.std(getattr(by[(method, e)], field)) for e in xs]
             ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=method)

@@ -106,24 +106,51 @@ class ProgressFollower(threading.Thread):
 
 
 def summary_table(results: dict[str, Any]) -> Table:
-    """The end-of-run table: accuracy overall / minority / majority, clustering, privacy."""
+    """The end-of-run table: accuracy overall / minority / majority (over the silos evaluated
+    at the end; stale figures named apart), clustering, privacy."""
     summary, clustering = results["summary"], results["clustering"]
     table = Table(title=f"{results['method']} — {results['config']['out-dir']}",
                   show_header=False)
 
-    table.add_row("mean test accuracy", percent(summary.get("mean_accuracy")))
-    table.add_row(f"minority (cluster {summary.get('minority_cluster')}) accuracy",
-                  percent(summary.get("minority_accuracy")))
-    table.add_row("majority accuracy", percent(summary.get("majority_accuracy")))
+    table.add_row("mean test accuracy", percent(summary.get("mean_accuracy"))
+                  + _evaluated(summary))
+    stale = summary.get("stale_silos") or {}
+    if stale:
+        table.add_row("stale (not in the means)", ", ".join(
+            f"silo {p} (round {r})" for p, r in sorted(stale.items(), key=lambda i: int(i[0]))))
+    if summary.get("minority_cluster") is None:
+        table.add_row("minority accuracy", "none (no cluster smaller than the others)")
+    else:
+        table.add_row(f"minority (cluster {summary['minority_cluster']}) accuracy",
+                      percent(summary.get("minority_accuracy")))
+        table.add_row("majority accuracy", percent(summary.get("majority_accuracy")))
     for key, label in (("n_clusters", "clusters M"), ("mss", "MSS"), ("mpo", "MPO"),
                        ("switch_round", "switch round E_c"), ("em_iterations", "EM iterations"),
                        ("ari", "ARI round 1"), ("final_ari", "ARI final"),
                        ("found_structure", "full structure found"),
                        ("minority_isolated", "minority isolated")):
-        if key in clustering:
+        if clustering.get(key) is not None:
             value = clustering[key]
             table.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
     spent = summary.get("max_epsilon_spent")
     table.add_row("max epsilon spent", f"{spent:.4f}" if _known(spent) else "-")
+    table.add_row("spent before the run", _spent_before(results))
     table.add_row("wall time", f"{results['wall_seconds']:.1f} s")
     return table
+
+
+def _evaluated(summary: dict[str, Any]) -> str:
+    """' (20 of 21 silos, round 30)': whose figures the means hold."""
+    if summary.get("evaluated_round") is None or "silos" not in summary:
+        return ""
+    return (f" ({summary.get('silos_evaluated', 0)} of {summary['silos']} silos, "
+            f"round {summary['evaluated_round']})")
+
+
+def _spent_before(results: dict[str, Any]) -> str:
+    """Each silo that joined with budget spent in earlier runs: 'silo 2: 9.38 of 10'."""
+    spent = [(c["partition"], c["epsilon_spent_before_run"], c["epsilon_budget"])
+             for c in results.get("clients", []) if c.get("epsilon_spent_before_run")]
+    if not spent:
+        return "none"
+    return ", ".join(f"silo {p}: {before:.4g} of {budget:g}" for p, before, budget in spent)

@@ -15,6 +15,7 @@ import csv
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,21 +33,27 @@ CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused
               "minority_test_accuracy", "max_epsilon_spent"]
 
 
-def minority_cluster(true_clusters: dict[int, int]) -> int:
-    """The smallest true cluster among the silos (lowest index on ties)."""
-    counts: dict[int, int] = {}
-    for cluster in true_clusters.values():
-        counts[cluster] = counts.get(cluster, 0) + 1
-    return min(counts, key=lambda c: (counts[c], c))
+def minority_cluster(true_clusters: dict[int, int]) -> int | None:
+    """The true cluster with fewer silos than every other (the paper's minority, RQ2); None
+    when no cluster is smaller than all the others ({2, 2}, {2, 2, 6} or one cluster: no
+    minority to report on)."""
+    counts = Counter(true_clusters.values())
+    smallest = min(counts.values(), default=0)
+    at_smallest = [cluster for cluster, count in counts.items() if count == smallest]
+    return at_smallest[0] if len(counts) > 1 and len(at_smallest) == 1 else None
 
 
-def structure_found(truth: dict[int, int], assigned: dict[int, int]) -> tuple[bool, bool]:
+def structure_found(truth: dict[int, int], assigned: dict[int, int]
+                    ) -> tuple[bool, bool | None]:
     """(final partition equals the true one up to relabelling, the minority silos share a
-    cluster with no majority silo) -- spec §2.10's operationalisation."""
+    cluster with no majority silo: None without a minority) -- spec §2.10's
+    operationalisation."""
     partitions = sorted(truth)
     exact = adjusted_rand_score([truth[p] for p in partitions],
                                 [assigned[p] for p in partitions]) == 1.0
     minority = minority_cluster(truth)
+    if minority is None:
+        return exact, None
     members = {assigned[p] for p in partitions if truth[p] == minority}
     isolated = len(members) == 1 and not any(
         assigned[p] in members for p in partitions if truth[p] != minority)
@@ -97,7 +104,7 @@ class RunRecorder:
 
     def _round_row(self, strategy: ClusteredStrategy, report: RoundReport) -> dict[str, Any]:
         truth = {p: s.true_cluster for p, s in strategy.silos.items()}
-        minority = minority_cluster(truth) if truth else -1
+        minority = minority_cluster(truth)
         tested = report.test_accuracy or {}
         minority_acc = [a for p, a in tested.items() if truth[p] == minority]
         spent = [s.epsilon_spent for s in strategy.silos.values()]
@@ -119,10 +126,14 @@ class RunRecorder:
     def results(self, strategy: ClusteredStrategy, complete: bool) -> dict[str, Any]:
         truth = {p: s.true_cluster for p, s in strategy.silos.items()}
         final = {p: strategy.current_cluster(p) for p in strategy.silos}
+        last, evaluated = last_evaluations(strategy.reports)
         clients = [
             {"partition": p, "true_cluster": s.true_cluster, "final_cluster": final[p],
              "test_accuracy": _finite(s.test_accuracy), "test_loss": _finite(s.test_loss),
+             "evaluated_round": evaluated.get(p),
+             "stale": s.test_accuracy is not None and evaluated.get(p, -1) != last,
              "epsilon_spent": s.epsilon_spent, "epsilon_budget": s.epsilon_budget,
+             "epsilon_spent_before_run": s.epsilon_spent_before,
              "delta": s.delta, "noise_multiplier": s.noise_multiplier,
              "num_train": s.num_train, "dropped_rounds": s.dropped_rounds,
              "refused_rounds": s.refused_rounds, "exhausted": s.exhausted}
@@ -134,7 +145,7 @@ class RunRecorder:
             "config": self.experiment.to_run_config(),
             "rounds": self.rounds, "clients": clients,
             "clustering": self._clustering(strategy, truth, final),
-            "summary": summarise(clients, truth, final),
+            "summary": summarise(clients, truth, last),
         }
 
     def _clustering(self, strategy: ClusteredStrategy, truth: dict[int, int],
@@ -183,22 +194,42 @@ def redraw_figures(results: dict[str, Any], out: Path) -> list[Path]:
     return figures
 
 
+def last_evaluations(reports: list[RoundReport]) -> tuple[int | None, dict[int, int]]:
+    """The run's last evaluated round (None before any), and the last round each silo's
+    evaluation reply was used in."""
+    last, evaluated = None, {}
+    for report in reports:
+        if report.test_accuracy is not None:
+            last = report.round
+            evaluated.update(dict.fromkeys(report.test_accuracy, report.round))
+    return last, evaluated
+
+
 def summarise(clients: list[dict[str, Any]], truth: dict[int, int],
-              final: dict[int, int]) -> dict[str, Any]:
-    """Mean test accuracy over all silos, the minority silos and the majority silos."""
+              evaluated_round: int | None) -> dict[str, Any]:
+    """Mean test accuracy over all silos, the minority silos and the majority silos, each over
+    the silos evaluated in the last evaluation (``evaluated_round``) only: a silo that dropped
+    out keeps an earlier round's figure, which is stale and named in ``stale_silos``."""
     if not truth:
         return {}
     minority = minority_cluster(truth)
     accuracy = {c["partition"]: c["test_accuracy"] for c in clients
-                if c["test_accuracy"] is not None}
+                if c["test_accuracy"] is not None and not c.get("stale")}
     return {
         "mean_accuracy": _mean(accuracy.values()),
-        "minority_accuracy": _mean(a for p, a in accuracy.items() if truth[p] == minority),
-        "majority_accuracy": _mean(a for p, a in accuracy.items() if truth[p] != minority),
+        "minority_accuracy": None if minority is None else _mean(
+            a for p, a in accuracy.items() if truth[p] == minority),
+        "majority_accuracy": None if minority is None else _mean(
+            a for p, a in accuracy.items() if truth[p] != minority),
         "minority_cluster": minority,
         "max_epsilon_spent": max(c["epsilon_spent"] for c in clients),
         "silos": len(clients),
         "silos_evaluated": len(accuracy),
+        "evaluated_round": evaluated_round,
+        "stale_silos": {str(c["partition"]): c["evaluated_round"] for c in clients
+                        if c.get("stale")},
+        "spent_before_run": {str(c["partition"]): c["epsilon_spent_before_run"]
+                             for c in clients if c.get("epsilon_spent_before_run")},
     }
 
 

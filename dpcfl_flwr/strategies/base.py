@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -92,6 +93,9 @@ class SiloInfo:
     test_accuracy: float | None = None
     test_loss: float | None = None
     noise_multiplier: float | None = None
+    #: Epsilon its ledger held when it joined this run (earlier runs' spend): the budget this
+    #: run can use is what is left, so its noise is larger than a fresh silo's.
+    epsilon_spent_before: float = 0.0
 
 
 @dataclass
@@ -181,6 +185,7 @@ class ClusteredStrategy(Strategy):
         self.observer = observer
         self.reports: list[RoundReport] = []
         self.rng = np.random.default_rng([experiment.seed, 7919])
+        self._noise_checked: set[int] = set()  # silos whose z was compared with the others'
 
     # --- decisions: subclasses --------------------------------------------------------------
     def schedule(self) -> Schedule:
@@ -333,6 +338,7 @@ class ClusteredStrategy(Strategy):
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
+        self._check_noise_multipliers(server_round, list(good))
         self.absorb(server_round, good)
         report = RoundReport(
             server_round, self.stage(server_round), seconds,
@@ -345,6 +351,27 @@ class ClusteredStrategy(Strategy):
         )
         self.reports.append(report)
         return report
+
+    def _check_noise_multipliers(self, server_round: int, replied: list[int]) -> None:
+        """Log, once per silo, a silo whose noise multiplier z differs from the one most silos
+        use: it calibrated for a smaller budget (spent in an earlier run) or another data size,
+        so its updates are noisier than the others'."""
+        new = [p for p in replied if p not in self._noise_checked]
+        self._noise_checked.update(new)
+        known = {p: round(s.noise_multiplier, 4) for p, s in self.silos.items()
+                 if s.noise_multiplier is not None}
+        counts = Counter(known.values())
+        if len(counts) < 2:
+            return
+        usual = max(counts, key=lambda z: (counts[z], -z))
+        for partition in new:
+            if known.get(partition, usual) != usual:
+                silo = self.silos[partition]
+                logger.warning(
+                    "round %d: silo %d trains with noise multiplier z=%.4g, %d other silo(s) "
+                    "with %.4g (its budget eps %g, %.4g spent before this run; %d training "
+                    "records)", server_round, partition, known[partition], counts[usual],
+                    usual, silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
 
     def _train_reply(self, message: Message) -> TrainReply:
         """A silo's train reply, checked before it can touch a cluster model: one silo running
@@ -513,7 +540,12 @@ class ClusteredStrategy(Strategy):
             self.silos[partition].node_id = node
             self.silos[partition].epsilon_spent = spent
             return
-        self.silos[partition] = SiloInfo(partition, node, cluster, num_train, budget, delta, spent)
+        self.silos[partition] = SiloInfo(partition, node, cluster, num_train, budget, delta, spent,
+                                         epsilon_spent_before=spent)
+        if spent > 0:
+            logger.warning("silo %d starts with eps %.4g of %g already spent (earlier runs): "
+                           "this run can use the %.4g left, with larger noise", partition,
+                           spent, budget, max(budget - spent, 0.0))
 
     # --- the rounds -----------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
