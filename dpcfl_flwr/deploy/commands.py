@@ -16,6 +16,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -49,6 +50,7 @@ from .superlink import (
     wait_until_listening,
     write_connection,
 )
+from .superlink_launcher import KEY_NOT_REGISTERED, NODE_ONLINE
 
 console = Console()
 errors = Console(stderr=True, soft_wrap=True)
@@ -423,28 +425,54 @@ STOP_GRACE_SECONDS = 5.0
 _signalled = threading.Event()
 
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
-# every error, so the message is what tells this case apart).
+# every error, so the message is what tells this case apart) and once it is activated.
 _ACTIVATION_REFUSED = "Failed to activate SuperNode"
+_ACTIVATED = "SuperNode ID: "
+#: Why a SuperLink that does not say (not `dpcfl server`'s) may refuse a silo.
+_LIKELY_REFUSALS = ("its public key is not registered with the SuperLink, or a session with "
+                    "this key is open there (this silo runs elsewhere too, or a crashed "
+                    "instance's session has not expired yet, ~60 s after its last heartbeat)")
+#: Seconds between activation attempts while a node with this silo's key is online.
+REJOIN_RETRY_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class _SuperNodeLife:
+    code: int
+    refusal: str | None  # why the SuperLink refused to activate the node, if it did
+    stopped: bool  # by SIGINT / SIGTERM
 
 
 def _supervise(command: list[str], rejoin_wait: float) -> int:
-    """Run the SuperNode, passing its output through; retry activation refusals for
-    ``rejoin_wait`` s (a restarted silo waits until the SuperLink lets its previous, crashed
-    session expire). TLS failures and every other error end the silo at once."""
+    """Run the SuperNode, passing its output through. While the SuperLink refuses it because
+    a node with this silo's key is online (another instance, or a crashed one's session the
+    silo could not end itself), ask again every few seconds for ``rejoin_wait`` s, quietly: a
+    line at the first refusal, a verdict if it lasts. An unregistered key, TLS failures and
+    every other error end the silo at once, a refusal with one line saying why."""
     deadline = time.monotonic() + rejoin_wait
     _signalled.clear()
+    attempts = 0
     while True:
-        code, refused, stopped = _run_supernode(command)
-        if code == 0 or not refused or stopped or time.monotonic() >= deadline:
-            return code
-        console.print("the SuperLink refused this silo's activation (its previous session may "
-                      "still be open, or its key is not registered); retrying in 5 s")
-        if _signalled.wait(5):  # Ctrl-C while waiting to retry: done
-            return code
+        life = _run_supernode(command, quiet=attempts > 0)
+        attempts += 1
+        if life.code == 0 or life.refusal is None or life.stopped:
+            return life.code
+        if KEY_NOT_REGISTERED in life.refusal or time.monotonic() >= deadline:
+            waited = f" (asked {attempts} times in {rejoin_wait:g} s)" if attempts > 1 else ""
+            errors.print(f"error: the SuperLink refused this silo{waited}: {life.refusal}",
+                         highlight=False, markup=False)
+            return life.code
+        if attempts == 1:
+            console.print(f"the SuperLink refused this silo: {life.refusal}; asking again "
+                          f"every {REJOIN_RETRY_SECONDS:g} s for up to {rejoin_wait:g} s",
+                          highlight=False, markup=False, soft_wrap=True)
+        if _signalled.wait(REJOIN_RETRY_SECONDS):  # Ctrl-C while waiting to retry: done
+            return life.code
 
 
-def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
-    """One SuperNode life: (exit code, activation refused, stopped by a signal).
+def _run_supernode(command: list[str], quiet: bool = False) -> _SuperNodeLife:
+    """One SuperNode life. ``quiet``: its output is held until the SuperLink activates it and
+    dropped if it refuses again (a retry's start-up lines say nothing new).
 
     The SuperNode runs in its own process group (a warm silo answers its ClientApp tasks in
     that process), dies with this supervisor (parent-death signal), and whatever it leaves
@@ -454,15 +482,23 @@ def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1, start_new_session=True,
                                preexec_fn=_die_with_parent)
-    refused = threading.Event()
+    held: list[str] | None = [] if quiet else None
+    refused: list[str] = []  # the refusal line, then the SuperLink's reason if it gave one
 
     def pump() -> None:
+        nonlocal held
         assert process.stdout is not None
         for line in process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            if _ACTIVATION_REFUSED in line:
-                refused.set()
+            if held is not None and _ACTIVATED in line:
+                sys.stdout.writelines(held)
+                held = None
+            if refused or _ACTIVATION_REFUSED in line:
+                refused.append(line)
+            if held is None:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            else:
+                held.append(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -471,7 +507,19 @@ def _run_supernode(command: list[str]) -> tuple[int, bool, bool]:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     reader.join(timeout=5)
-    return code, refused.is_set(), stopped()
+    if held and not refused:  # it ended for another reason: that must be seen
+        sys.stdout.writelines(held)
+    return _SuperNodeLife(code, _refusal(refused) if refused else None, stopped())
+
+
+def _refusal(lines: list[str]) -> str:
+    """The SuperLink's reason among a refused SuperNode's last lines (superlink_launcher's
+    words), or the likely causes when it gave none."""
+    for line in lines:
+        for words in (KEY_NOT_REGISTERED, NODE_ONLINE):
+            if words in line:
+                return line[line.index(words):].strip()
+    return _LIKELY_REFUSALS
 
 
 def _die_with_parent() -> None:

@@ -30,7 +30,11 @@ HTTP client waits 30 s); a ServerApp that polls again at once then hears of ever
 completes. Both changes patch Flower's classes only for the Flower version they were written
 against; on any other version, or with ``--pull-hold 0``, Flower's polling runs unchanged and
 the launcher says so. On flwr 1.39.0, whatever the hold, the ServerApp's requests also skip
-the Control API's middleware (:mod:`.control_middleware`).
+the Control API's middleware (:mod:`.control_middleware`), and a SuperNode whose activation
+is refused is told why, where Flower says only "Failed to activate SuperNode." and logs the
+reason on the SuperLink: its public key is not registered, or a node with its key is online
+(another instance of the silo, or its crashed previous session, with the seconds until that
+expires).
 
   python -m dpcfl_flwr.deploy.superlink_launcher [--pull-hold 10] <flower-superlink arguments>
 """
@@ -243,8 +247,50 @@ def hold_reply_pulls(handlers: Any, arrivals: Arrivals, hold: float) -> None:
     handlers.pull_messages = pull_messages
 
 
+#: Said to a SuperNode whose activation is refused (Flower's own answer is only "Failed to
+#: activate SuperNode." in both cases, the reason only in the SuperLink's log). A silo's
+#: supervisor reads these words (``dpcfl client``): keep them.
+KEY_NOT_REGISTERED = "this SuperNode's public key is not registered with the SuperLink"
+NODE_ONLINE = "a SuperNode with this public key is online"
+
+
+def activation_refusal(state: Any, public_key: bytes, now: float) -> str:
+    """Why a SuperNode with ``public_key`` cannot be activated, in words for its operator."""
+    node_id = state.get_node_id_by_public_key(public_key)
+    if node_id is None:
+        return (f"{KEY_NOT_REGISTERED} (or it was unregistered): its operator registers the "
+                "silo's .pub file (`dpcfl server --register`, `flwr supernode register`)")
+    info = list(state.get_node_info(node_ids=[node_id]))
+    if info and info[0].status == "online":
+        left = max(0.0, info[0].online_until - now)
+        return (f"{NODE_ONLINE} (node {node_id}): this silo runs elsewhere too, or its "
+                f"previous session, if it ended without a goodbye, expires in {left:.0f} s")
+    return f"node {node_id} of this public key is {info[0].status if info else 'unknown'}"
+
+
+def explain_refused_activations(servicer_class: Any) -> None:
+    """Make ``servicer_class.ActivateNode`` (the Fleet API) tell a refused SuperNode why:
+    its key is not registered, or a node with its key is online (and for how long)."""
+    from flwr.supercore.error import ApiErrorCode, FlowerError
+
+    activate = servicer_class.ActivateNode
+
+    def ActivateNode(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        try:
+            return activate(self, request, context)
+        except FlowerError as error:
+            if error.code == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED:
+                error.public_details = activation_refusal(
+                    self.state_factory.state(), request.public_key, time.time())
+            raise
+
+    servicer_class.ActivateNode = ActivateNode
+
+
 def install(hold: float, reply_hold: float) -> bool:
-    """Patch Flower's SuperLink; False (nothing changed) on another Flower version."""
+    """Patch Flower's SuperLink: whether idle polls are held (False on another Flower
+    version, where nothing is changed, and with ``hold`` 0, where only refused activations
+    are explained)."""
     import flwr
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
@@ -252,7 +298,10 @@ def install(hold: float, reply_hold: float) -> bool:
     from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
     from flwr.superlink.servicer.runtime import runtime_handlers
 
-    if flwr.__version__ != PATCHED_FLOWER or hold <= 0:
+    if flwr.__version__ != PATCHED_FLOWER:
+        return False
+    explain_refused_activations(FleetServicer)
+    if hold <= 0:
         return False
     arrivals = Arrivals()
     for state_class in (InMemoryLinkState, SqlLinkState):

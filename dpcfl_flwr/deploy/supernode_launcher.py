@@ -31,6 +31,11 @@ goes without the connectivity subscription Flower makes only to log changes at D
 polls the channel five times a second for it): 21 idle silos' ticks and polls were CPU that
 the training silos on the same cores did not get.
 
+A silo restarted after a crash rejoins at once: the SuperNode keeps its open session's node
+id next to its ledger and, finding it at the next start, ends that stale session itself
+before it asks to be activated (:class:`SessionMemory`); Flower's SuperLink would otherwise
+refuse it until the old session's heartbeat expires (~60 s).
+
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
 channel's finaliser could block the interpreter's shutdown for good (seen here: orphaned
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import os
 import sys
@@ -53,6 +59,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -132,6 +139,87 @@ def _no_subscription(callback: Callable[..., object], try_to_connect: bool = Fal
     """A channel's ``subscribe`` that subscribes nobody (see skip_connectivity_watch)."""
 
 
+class SessionMemory:
+    """A gRPC client interceptor that keeps this silo's open session in a file: the node id,
+    written when the SuperLink activates the node, removed when the SuperNode deactivates it
+    on its way out. A file found at the next activation means that the SuperNode before
+    ended without that goodbye (killed, crashed, its machine lost), and the SuperLink would
+    refuse the restarted silo until the old session expires (Flower 1.39: two missed 30 s
+    heartbeats, ~60 s). The silo then ends that session itself (``DeactivateNode``, signed
+    with its own key like every request; a SuperLink admits it for that key's node only)
+    and is activated at once. Another instance of the silo elsewhere has no such file and is
+    still refused while this one is connected."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.channel: Any = None  # the channel this interceptor is part of (set after)
+
+    def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any],
+                              call_details: Any, request: Any) -> Any:
+        method = call_details.method.rsplit("/", 1)[-1]
+        if method == "ActivateNode":
+            self._end_previous_session()
+        outcome = continuation(call_details, request)
+        if outcome.exception() is None:
+            if method == "ActivateNode":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.write_text(json.dumps({"node-id": outcome.result().node_id}) + "\n")
+            elif method == "DeactivateNode":
+                self.path.unlink(missing_ok=True)
+        return outcome
+
+    def _end_previous_session(self) -> None:
+        import grpc
+        from flwr.proto.fleet_pb2 import DeactivateNodeRequest  # pylint: disable=E0611
+        from flwr.proto.fleet_pb2_grpc import FleetStub  # pylint: disable=E0611
+
+        try:
+            node_id = int(json.loads(self.path.read_text())["node-id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        try:
+            FleetStub(self.channel).DeactivateNode(DeactivateNodeRequest(node_id=node_id),
+                                                   timeout=10)
+        except grpc.RpcError:  # not open any more, or not this SuperLink's node: nothing to end
+            return
+        print(f"dpcfl: ended this silo's previous session (node {node_id}), left open by a "
+              "SuperNode that did not say goodbye", file=sys.stderr, flush=True)
+
+
+def remember_session(connection: ModuleType, version: str, path: Path) -> bool:
+    """Give the SuperNode's gRPC channel a :class:`SessionMemory` keeping ``path``; False
+    (nothing changed) on another Flower version."""
+    import grpc
+
+    create = getattr(connection, "create_channel", None)
+    if version != PATCHED_FLOWER or create is None:
+        return False
+
+    class Memory(SessionMemory, grpc.UnaryUnaryClientInterceptor):  # grpc: only when used
+        pass
+
+    def create_channel(*args: Any, **kwargs: Any) -> Any:
+        memory = Memory(path)
+        kwargs["interceptors"] = [*(kwargs.get("interceptors") or ()), memory]
+        memory.channel = create(*args, **kwargs)
+        return memory.channel
+
+    connection.create_channel = create_channel  # type: ignore[attr-defined]
+    return True
+
+
+def session_file(flower_arguments: Sequence[str]) -> Path | None:
+    """Where a silo keeps its open session (:class:`SessionMemory`): next to its ledger, the
+    one directory that is the silo's own and lasts (``<ledger-path>.session``)."""
+    from flwr.common.config import parse_config_args
+
+    for flag, value in zip(flower_arguments, flower_arguments[1:], strict=False):
+        if flag == "--node-config":
+            ledger = parse_config_args([value]).get("ledger-path")
+            return Path(f"{ledger}.session") if isinstance(ledger, str) and ledger else None
+    return None
+
+
 def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK) -> bool:
     """Make uvicorn's housekeeping tick (10 Hz: exit flag, Date header) of the SuperNode's
     local Runtime API run every ``seconds``; False (nothing changed) when ``server_class`` is
@@ -185,8 +273,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unpinned := unpinned_options(rest):
         _refuse(f"{', '.join(unpinned)} would run code other than the installed app")
     slow_runtime_api_tick(uvicorn.Server)
-    skip_connectivity_watch(importlib.import_module("flwr.client.grpc_rere_client.connection"),
-                            flwr.__version__)
+    connection = importlib.import_module("flwr.client.grpc_rere_client.connection")
+    skip_connectivity_watch(connection, flwr.__version__)
+    if (session := session_file(rest)) is not None:
+        remember_session(connection, flwr.__version__, session)
     reply_stored = threading.Event()
     shorten_waits(loop, flwr.__version__, options.idle_poll, reply_stored)
     print(f"dpcfl: SuperNode polls the SuperLink every {options.idle_poll:g} s when idle "
