@@ -7,20 +7,25 @@ import math
 import shutil
 import time
 from enum import StrEnum
+from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+import click
 import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from typer.core import TyperCommand
 
 from .data import DataError
 from .privacy import plan_noise, two_stage_schedule
 from .privacy.schedule import FULL_BATCH
 
+# Plain help (click's layout): Typer's rich panels cut option names (`--root-certifica…`) to
+# fit an 80-column terminal and read `[method.<name>]` in a help text as markup.
 app = typer.Typer(help="Differentially private clustered federated learning on Flower.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 privacy_app = typer.Typer(help="Privacy accounting tools.", no_args_is_help=True)
 app.add_typer(privacy_app, name="privacy")
 
@@ -37,6 +42,47 @@ class ConversionChoice(StrEnum):
 class BudgetModeChoice(StrEnum):
     SPLIT = "split"
     JOINT = "joint"
+
+
+class PlainHelpCommand(TyperCommand):
+    """A command whose plain help shows ``[default: x]`` as written: Typer 0.20 escapes it for
+    rich markup (``\\[default: x]``) even when the help is not rendered by rich."""
+
+    def get_help(self, ctx: click.Context) -> str:
+        return super().get_help(ctx).replace("\\[", "[")
+
+
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` and of its sub-apps :class:`PlainHelpCommand`."""
+    for command in typer_app.registered_commands:
+        if command.cls in (None, TyperCommand):
+            command.cls = PlainHelpCommand
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_help(group.typer_instance)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dpcfl-flwr {_package_version('dpcfl-flwr')} "
+                   f"(flwr {_package_version('flwr')}, opacus {_package_version('opacus')}, "
+                   f"torch {_package_version('torch')})")
+        raise typer.Exit()
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@app.callback()
+def _main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the versions of dpcfl-flwr and its engines."),
+) -> None:
+    """Differentially private clustered federated learning on Flower."""
 
 
 def _parse_first_batch(value: str) -> int | Literal["full"]:
@@ -67,7 +113,9 @@ def privacy_noise(
     delta: float = typer.Option(1e-4, "--delta", min=0.0, max=1.0, help="Target delta."),
     rounds: int = typer.Option(..., "--rounds", min=1, help="Communication rounds E."),
     epochs: int = typer.Option(1, "--epochs", min=1, help="Local epochs K per round."),
-    conversion: ConversionChoice = typer.Option(ConversionChoice.CLASSIC, "--conversion"),
+    conversion: ConversionChoice = typer.Option(
+        ConversionChoice.CLASSIC, "--conversion",
+        help="RDP to (eps, delta): classic (the authors') or tight (Balle et al. 2020)."),
     select_rounds: int = typer.Option(0, "--select-rounds", min=0,
                                       help="Private cluster selections T_sel to reserve for."),
     select_ratio: float = typer.Option(0.03, "--select-ratio", min=0.0, max=1.0,
@@ -127,13 +175,16 @@ def probe(
     shift: str = typer.Option("rotation", help="rotation | label_flip."),
     model: str = typer.Option("cnn", help="cnn | resnet18."),
     samples: int = typer.Option(2000, min=2, help="Training samples per client N_i."),
-    epsilon: float = typer.Option(10.0, min=0.0), delta: float = typer.Option(1e-4),
+    epsilon: float = typer.Option(10.0, min=0.0, help="Per-client budget eps."),
+    delta: float = typer.Option(1e-4, help="Per-client delta."),
     rounds: int = typer.Option(200, min=1, help="E, for the noise calibration."),
     batch: int = typer.Option(32, min=1, help="b in rounds 2..E."),
     first_batch: str = typer.Option(FULL_BATCH, help="Round-1 batch: full or an int."),
-    lr: float = typer.Option(0.005), clip: float = typer.Option(3.0),
+    lr: float = typer.Option(0.005, help="DP-SGD learning rate."),
+    clip: float = typer.Option(3.0, help="Per-sample clipping norm C."),
     n_clusters: int = typer.Option(4, help="M; 0 = choose by maximum MSS over 2..10."),
-    seed: int = typer.Option(0), threads: int = typer.Option(1, min=1),
+    seed: int = typer.Option(0, help="Seed of the records, theta_init and the GMM."),
+    threads: int = typer.Option(1, min=1, help="Torch threads."),
     pca_components: int = typer.Option(0, min=0, help="0: M - 1 axes (>= 2); 2: the authors'."),
     draw: str = typer.Option("authors", help="authors | per-client: which records a client gets."),
     out: Path = typer.Option(Path("results/probe"), help="Directory for probe.json + plot."),
@@ -337,6 +388,7 @@ def _register_deployment_commands() -> None:
 
 
 _register_deployment_commands()
+_plain_help(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

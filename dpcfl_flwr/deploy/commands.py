@@ -183,14 +183,24 @@ def _end_group(process: subprocess.Popen, grace: float) -> None:
 
 
 def submit(
-    superlink: str = typer.Option("127.0.0.1:8000", "--superlink",
-                                  help="The SuperLink's control API host:port."),
-    root_certificates: Path = typer.Option(None, "--root-certificates", exists=True),
-    insecure: bool = typer.Option(False, "--insecure"),
+    superlink: str = typer.Option(
+        "127.0.0.1:8000", "--superlink",
+        help="The SuperLink's control API host:port (`dpcfl server --api-address`, port "
+             "8000), not the Fleet API port silos dial (9092)."),
+    root_certificates: Path = typer.Option(
+        None, "--root-certificates", exists=True,
+        help="The CA certificate the SuperLink's certificate must chain to (certs/ca.crt)."),
+    insecure: bool = typer.Option(False, "--insecure",
+                                  help="No TLS (a SuperLink started with --insecure)."),
     app_dir: Path = typer.Option(Path("."), "--app", help="The Flower app to run."),
-    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False),
-    overrides: list[str] = typer.Option(None, "--set", help="Run-config key=value."),
-    stream: bool = typer.Option(True, "--stream/--no-stream"),
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                help="TOML file of run-config keys (see examples/)."),
+    overrides: list[str] = typer.Option(None, "--set",
+                                        help="Override a run-config key: --set epsilon=5."),
+    stream: bool = typer.Option(
+        True, "--stream/--no-stream",
+        help="Follow the run's log until it ends and exit with its outcome (1 if it failed); "
+             "--no-stream: return once it has started."),
 ) -> None:
     """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
     from ..simulation import load_config, parse_override
@@ -303,38 +313,66 @@ def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
 def client(
     silo_file: Path = typer.Argument(None, exists=True, dir_okay=False,
                                      help="clients/<name>.toml (flags override it)."),
-    name: str = typer.Option(None, "--name"),
-    superlink: str = typer.Option(None, "--superlink", help="The SuperLink's host:port."),
-    root_certificates: Path = typer.Option(None, "--root-certificates"),
-    auth_private_key: Path = typer.Option(None, "--auth-private-key"),
-    insecure: bool = typer.Option(None, "--insecure/--tls", help="Default: TLS."),
+    name: str = typer.Option(None, "--name", help="The silo's name in its plan and logs."),
+    superlink: str = typer.Option(
+        None, "--superlink",
+        help="The SuperLink's Fleet API host:port (`dpcfl server --fleet-address`, port "
+             "9092), not the control API port `dpcfl submit` uses (8000)."),
+    root_certificates: Path = typer.Option(
+        None, "--root-certificates",
+        help="The CA certificate the SuperLink's certificate must chain to (ca.crt)."),
+    auth_private_key: Path = typer.Option(
+        None, "--auth-private-key",
+        help="This silo's node key (certs/nodes/silo-NN), its public half registered with "
+             "the SuperLink."),
+    insecure: bool = typer.Option(None, "--insecure/--tls",
+                                  help="Default: TLS; --insecure for local experiments."),
     warm: bool = typer.Option(
         None, "--warm/--process-per-message",
         help="Default: warm, the SuperNode's own process answers all messages with one "
              "loaded ClientApp; --process-per-message: a fresh flwr-clientapp for each. "
              "Either way only for a FAB that ships the app installed here."),
-    runtime_port: int = typer.Option(None, "--runtime-port"),
+    runtime_port: int = typer.Option(
+        None, "--runtime-port",
+        help="Local port of this silo's ClientApp runtime (default 9094); each silo on a "
+             "host needs its own."),
     idle_poll: float = typer.Option(
         None, "--idle-poll",
         help="Seconds between SuperLink polls when idle (default 0.5; Flower's own: 3)."),
-    partition_id: int = typer.Option(None, "--partition-id"),
+    partition_id: int = typer.Option(
+        None, "--partition-id",
+        help="Which client of the topology this silo is (0-based): its records and cluster."),
     epsilon: float = typer.Option(None, "--epsilon", help="Required (file or flag)."),
     delta: float = typer.Option(None, "--delta", help="Required (file or flag)."),
     ledger_path: Path = typer.Option(None, "--ledger-path", help="Required (file or flag)."),
-    data_dir: Path = typer.Option(None, "--data-dir"),
-    dataset: str = typer.Option(None, "--dataset"),
-    clusters: str = typer.Option(None, "--clusters", help="The topology, e.g. 3,6,6,6."),
-    shift: str = typer.Option(None, "--shift"),
-    samples_per_client: int = typer.Option(None, "--samples-per-client"),
-    val_fraction: float = typer.Option(None, "--val-fraction"),
-    test_samples: int = typer.Option(None, "--test-samples"),
-    data_draw: str = typer.Option(None, "--data-draw"),
-    data_seed: int = typer.Option(None, "--data-seed"),
-    metrics: str = typer.Option(None, "--metrics", help="private (default) or exact."),
-    metrics_noise: float = typer.Option(None, "--metrics-noise"),
-    true_cluster: int = typer.Option(None, "--true-cluster"),
-    threads: int = typer.Option(None, "--threads"),
-    device: str = typer.Option(None, "--device"),
+    data_dir: Path = typer.Option(None, "--data-dir",
+                                  help="Dataset directory (Fashion-MNIST: found if unset)."),
+    dataset: str = typer.Option(None, "--dataset", help="fmnist (default), mnist or cifar10."),
+    clusters: str = typer.Option(None, "--clusters",
+                                 help="The topology, e.g. 3,6,6,6 (the default)."),
+    shift: str = typer.Option(None, "--shift",
+                              help="How clusters differ: rotation (default) or label_flip."),
+    samples_per_client: int = typer.Option(None, "--samples-per-client",
+                                           help="Records this silo draws (default 500)."),
+    val_fraction: float = typer.Option(None, "--val-fraction",
+                                       help="Share of them held out for validation (0.25)."),
+    test_samples: int = typer.Option(None, "--test-samples",
+                                     help="Test records (default 0: |test set| / 6)."),
+    data_draw: str = typer.Option(
+        None, "--data-draw",
+        help="authors (default: the authors' code's records for the seed) or per-client."),
+    data_seed: int = typer.Option(None, "--data-seed", help="Seed of the record draw (0)."),
+    metrics: str = typer.Option(
+        None, "--metrics",
+        help="private (default: noised and charged to the budget) or exact (for a trusted "
+             "server only)."),
+    metrics_noise: float = typer.Option(
+        None, "--metrics-noise", help="Noise multiplier of private metrics (default 10)."),
+    true_cluster: int = typer.Option(
+        None, "--true-cluster",
+        help="The silo's true cluster, for evaluation only (default: from the topology)."),
+    threads: int = typer.Option(None, "--threads", help="Torch threads (default 1)."),
+    device: str = typer.Option(None, "--device", help="cpu (default) or cuda[:i]."),
     rejoin_wait: float = typer.Option(
         180.0, "--rejoin-wait", min=0.0,
         help="Seconds to keep retrying when the SuperLink refuses activation (after a crash it "
