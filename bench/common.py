@@ -1,4 +1,9 @@
-"""Shared helpers of the benchmarks: timing, the machine, appending to bench/RESULTS.md."""
+"""Shared helpers of the benchmarks: timing, the machine, recording a run's figures.
+
+A recorded run goes to two places: its section is appended to the bench's history file
+(``bench/history/<bench>.md``, every run kept, newest last), and it replaces the section of the
+same title in ``bench/RESULTS.md``, which holds only the current figure of each benchmark.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+HISTORY = RESULTS.with_name("history")
 REPO = RESULTS.parents[1]
+CONTENTS_START = "<!-- contents -->"
+CONTENTS_END = "<!-- /contents -->"
 
 
 def best_of(fn: Callable[[], float], repeats: int) -> float:
@@ -52,21 +60,88 @@ def commit() -> str:
         return "unknown"
 
 
-def append_results(title: str, body: str) -> None:
-    """Append a section with the exact command, date, commit and machine."""
+def section(title: str, body: str) -> str:
+    """A section with the exact command, date, commit and machine of this run."""
     command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"\n## {title}\n\n`{command}` — {stamp}, commit {commit()}\n"
-               f"({machine()})\n\n{body.strip()}\n")
-    with RESULTS.open("a") as handle:
-        handle.write(section)
-    print(section)
+    return (f"## {title}\n\n`{command}` — {stamp}, commit {commit()}\n"
+            f"({machine()})\n\n{body.strip()}\n")
 
 
-def publish(title: str, body: str, append: bool) -> None:
-    """Print the figures, and append them to RESULTS.md unless told not to (--no-append)."""
+def _split_sections(text: str) -> list[str]:
+    """``text`` cut before every level-2 heading: the preamble, then one piece per section
+    (a section runs to the next ``## `` line, its ``###`` subsections and notes included)."""
+    pieces: list[str] = [""]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            pieces.append("")
+        pieces[-1] += line
+    return pieces
+
+
+def _anchor(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def _with_contents(text: str) -> str:
+    """``text`` with the list between the contents markers rebuilt from its ``## `` headings."""
+    if CONTENTS_START not in text or CONTENTS_END not in text:
+        return text
+    head, rest = text.split(CONTENTS_START, 1)
+    _, tail = rest.split(CONTENTS_END, 1)
+    titles = [line[3:].strip() for line in tail.splitlines() if line.startswith("## ")]
+    entries = "".join(f"- [{t}](#{_anchor(t)})\n" for t in titles)
+    return f"{head}{CONTENTS_START}\n{entries}{CONTENTS_END}{tail}"
+
+
+def replace_section(text: str, title: str, new_section: str) -> str:
+    """``text`` (a results file) with its section titled ``title`` replaced by ``new_section``,
+    or ``new_section`` added at the end when no section has that title; every other section
+    is kept as it was, and the contents list is rebuilt."""
+    pieces = _split_sections(text)
+    heading = f"## {title}"
+    content = new_section.rstrip("\n")
+    for index, piece in enumerate(pieces[1:], start=1):
+        if piece.splitlines()[0].rstrip() == heading:
+            last = index == len(pieces) - 1
+            pieces[index] = content + ("\n" if last else piece[len(piece.rstrip("\n")):])
+            break
+    else:
+        if pieces[-1].strip():
+            pieces[-1] = pieces[-1].rstrip("\n") + "\n\n"
+        pieces.append(content + "\n")
+    return _with_contents("".join(pieces))
+
+
+def append_results(title: str, body: str, *, results: Path = RESULTS,
+                   history: Path = HISTORY, bench: str | None = None) -> None:
+    """Record this run: append its section to ``history/<bench>.md`` and put it in place of
+    the section of the same title in ``results`` (the current figures).
+
+    ``bench`` names the history file; by default the running script's name (``overhead``).
+    """
+    text = section(title, body)
+    name = bench or Path(sys.argv[0]).stem
+    history.mkdir(parents=True, exist_ok=True)
+    log = history / f"{name}.md"
+    if not log.exists():
+        log.write_text(f"# History of bench/{name}.py\n\nEvery recorded run, newest last; "
+                       "the current figure is in bench/RESULTS.md.\n")
+    with log.open("a") as handle:
+        handle.write(f"\n{text}")
+    current = results.read_text() if results.exists() else ""
+    results.write_text(replace_section(current, title, text))
+    print(text)
+
+
+def publish(title: str, body: str, append: bool, *, results: Path = RESULTS,
+            history: Path = HISTORY, bench: str | None = None) -> None:
+    """Print the figures, and record them (history and current section, see
+    :func:`append_results`) unless told not to (--no-append)."""
     if append:
-        append_results(title, body)
+        append_results(title, body, results=results, history=history, bench=bench)
     else:
         print(body)
 
