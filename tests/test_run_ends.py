@@ -11,6 +11,7 @@ import contextlib
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dpcfl_flwr.data.readers import FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV_VAR
-from dpcfl_flwr.deploy.localhost import free_port
+from dpcfl_flwr.deploy.localhost import LocalDeployment, free_port
 
 DPCFL = [sys.executable, "-m", "dpcfl_flwr.cli"]
 REPO = Path(__file__).resolve().parents[1]
@@ -300,3 +301,34 @@ def test_ray_leaves_the_sigterm_handler_to_the_simulation():
         ray_utils.set_sigterm_handler(lambda *_: None)  # what ray.init does
         assert signal.getsignal(signal.SIGTERM) is ours
     assert ray_utils.set_sigterm_handler.__module__ == "ray._private.utils"
+
+
+@pytest.mark.slow
+def test_a_submitted_run_that_completes_ends_submit_with_exit_0(tmp_path):
+    """The README's deployment (TLS, node keys, `dpcfl client` per silo) with three small
+    silos: `dpcfl submit` follows the run to its end and says it completed."""
+    deployment = LocalDeployment(tmp_path / "deployment", clusters="1,2")
+    deployment.up("--in-memory")
+    # One snapshot of this checkout for the silos and the FAB: a silo refuses a FAB with other
+    # code, and this checkout may be edited while the test runs.
+    shutil.copytree(REPO / "dpcfl_flwr", deployment.root / "dpcfl_flwr",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", deployment.root / "pyproject.toml")
+    deployment.env["PYTHONPATH"] = str(deployment.root)
+    try:
+        for index in range(SILOS):
+            deployment.silo(index, "--samples-per-client", "64", "--test-samples", "40")
+        run = subprocess.run([*DPCFL, "submit", "--superlink",
+                              f"127.0.0.1:{deployment.api}", "--root-certificates",
+                              "certs/ca.crt", "--app", str(deployment.root), *_settings(**{
+                                  "method": '"global"', "num-server-rounds": 2,
+                                  "eval-every": 2, "wait-for-clients": 120,
+                                  "out-dir": f'"{deployment.root / "run"}"'})],
+                             cwd=deployment.root, env=deployment.env, capture_output=True,
+                             text=True, timeout=600)
+    finally:
+        deployment.down()
+    run_id = re.search(r"Successfully started run (\d+)", run.stdout).group(1)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr
+    assert run.stdout.rstrip().endswith(f"run {run_id} completed")
+    assert "error" not in run.stderr.lower()
