@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -216,3 +217,40 @@ def test_the_launcher_exits_with_the_supernodes_own_code(run, code, capsys):
     assert exit_code_of(run) == code
     if code == 1:
         assert capsys.readouterr().err  # the reason or the traceback is printed
+
+
+def test_a_port_in_use_is_named_with_its_process_before_the_superlink_starts(tmp_path):
+    from dpcfl_flwr.deploy.superlink import listen_problems
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free = free_port()
+        settings = ServerSettings(fleet_address=f"127.0.0.1:{port}",
+                                  api_address=f"127.0.0.1:{free}")
+        program, *arguments = Path("/proc/self/cmdline").read_text().split("\0")
+        assert listen_problems(settings) == [
+            f"--fleet-address 127.0.0.1:{port}: port {port} is already in use by pid "
+            f"{os.getpid()} ({' '.join([Path(program).name, *arguments[:2]])}); stop that "
+            "process (a SuperLink left by a killed `dpcfl server`?) or choose another port"]
+    assert listen_problems(settings) == []
+
+
+def test_silos_are_told_an_address_they_can_dial(tmp_path):
+    from dpcfl_flwr.deploy.superlink import dial_addresses
+
+    make_certificates(tmp_path, ["superlink.example.org", "127.0.0.1", "::1"], [])
+    assert dial_addresses(ServerSettings(certs=tmp_path, fleet_address="0.0.0.0:9092")) == [
+        "superlink.example.org:9092", "127.0.0.1:9092", "[::1]:9092"]
+    assert dial_addresses(ServerSettings(certs=tmp_path, fleet_address="10.0.0.5:9092")) == [
+        "10.0.0.5:9092"]
+
+
+def test_a_silo_keeps_its_open_session_next_to_its_ledger():
+    from dpcfl_flwr.deploy.supernode_launcher import session_file
+
+    arguments = ["--superlink", "127.0.0.1:9092", "--node-config",
+                 'partition-id=0 epsilon=4.0 ledger-path="/srv/ledgers/silo-00.json"']
+    assert session_file(arguments) == Path("/srv/ledgers/silo-00.json.session")
+    assert session_file(["--node-config", "partition-id=0"]) is None
