@@ -236,8 +236,9 @@ def submit(
     hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
     run = "the run" if watch.run_id is None else f"run {watch.run_id}"
     if stopped:
-        errors.print(f"stopped following {run}; it goes on on the SuperLink ({hint})",
-                     highlight=False, markup=False)
+        errors.print(f"stopped following {run}; it goes on on the SuperLink ({hint})"
+                     if watch.run_id is not None else "stopped before the SuperLink said it "
+                     f"started the run; it may have ({hint})", highlight=False, markup=False)
         raise typer.Exit(code=128 + signal.SIGINT)
     if code != 0 or watch.run_id is None:
         raise typer.Exit(code=code or 1)  # `flwr run` has said why
