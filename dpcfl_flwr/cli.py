@@ -341,11 +341,12 @@ def report(
         return
     console.print(summary_table(results))
     table = Table(title="silos", show_header=True)
-    for column in ("partition", "true cluster", "final cluster", "test acc", "round",
-                   "eps spent", "before run", "dropped", "refused"):
+    # Headers that wrap at spaces: the table fits an 80-column terminal.
+    for column in ("silo", "cluster true → final", "test acc", "round", "eps spent",
+                   "spent before", "dropped", "refused"):
         table.add_column(column)
     for c in results["clients"]:
-        table.add_row(str(c["partition"]), str(c["true_cluster"]), str(c["final_cluster"]),
+        table.add_row(str(c["partition"]), f"{c['true_cluster']} → {c['final_cluster']}",
                       percent(c["test_accuracy"]) + (" stale" if c.get("stale") else ""),
                       str(c.get("evaluated_round") or "-"), f"{c['epsilon_spent']:.3f}",
                       f"{c.get('epsilon_spent_before_run') or 0.0:.3f}",
