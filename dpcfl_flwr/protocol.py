@@ -1,46 +1,12 @@
 """The messages between the ServerApp and the silos' ClientApps, in one place.
 
-One record layout per message kind (Flower records only, no loose dicts):
-
-``query`` (server -> silo, once before round 1)
-    config: ``server-round`` = 0
-  reply ``silo`` (MetricRecord): ``partition-id``, ``true-cluster`` (-1 if unknown; used for
-    evaluation and the oracle only), ``num-train``, ``epsilon-budget``, ``delta``,
-    ``epsilon-spent``
-
-``train`` (server -> silo, every round)
-    ``config`` (ConfigRecord): ``server-round``, ``stage``, ``cluster`` (-1 = select),
-    ``round-batch`` ("full" or the batch size), the whole schedule the silo calibrates its
-    noise for (``rounds``, ``local-epochs``, ``batch-size``, ``first-batch``,
-    ``select-rounds``, ``select-ratio``, ``conversion``, ``budget-mode``, ``schedule``) and
-    ``learning-rate``, ``clip-norm``; MR-MTL adds ``prox-lambda``, ``prox-variant``; Local
-    sends ``personal`` = 1 (keep the trained model, reply without an update) and, after round
-    1, no weights at all (``cluster`` = -3, own model). The models (see below): ``arrays``,
-    the one model to train, or ``cluster-0`` .. ``cluster-{M-1}`` when the silo must privately
-    select one (stage 3 of R-DPCFL, IFCA); MR-MTL's ``anchor``.
-  reply ``metrics`` (ConfigRecord): ``num-examples``, ``cluster`` (trained), ``selected``
-    (0/1), ``val-loss``, ``val-accuracy``, ``epsilon-spent``, ``noise-multiplier``,
-    ``cpu-seconds`` (CPU time inside the handler, for the framework-overhead benchmark: wall
-    time would count the waits of silos sharing cores) and the model ``update`` (trained
-    minus received weights);
-  or an Error with code :data:`BUDGET_EXCEEDED` when the round would overspend.
-
-Every model travels packed (:func:`pack`): its tensors in state-dict order as one
-little-endian float32 vector; both ends know the model, so names and shapes need not travel.
-Flower moves every record, Array and chunk of a message as a separate object, one request each
-way (signed and verified under node authentication), and a request costs the SuperNode, the
-SuperLink and the ServerApp far more than the bytes it carries at these sizes. So a message is
-one record: a model that fits in one of Flower's array chunks (5 MiB: the CNN, not ResNet-18)
-is a ``bytes`` field of the message's ConfigRecord, next to the settings or metrics; a larger
-one is an ArrayRecord of its own under the model's name, with one Array ``packed`` (Flower's
-own chunking, 3 objects and up). Counting the message and its RecordDict, the CNN's six named
-tensors made a one-model train message 16 objects and a four-candidate one 55; a train
-message is now 3 objects, and so is its reply. Named ArrayRecords are still read.
-
-``evaluate`` (server -> silo)
-    ``config``: ``server-round``, ``cluster``, and the model ``arrays`` the silo would use
-  reply ``metrics`` (MetricRecord): ``num-examples``, ``test-loss``, ``test-accuracy``,
-    ``cluster``, ``epsilon-spent``
+Three kinds, one record layout each, Flower records only: ``query`` (reply ``silo``),
+``train`` (``config`` with the round's settings, the run's whole DP schedule and the packed
+models; reply ``metrics`` with the packed ``update``) and ``evaluate`` (reply ``metrics``).
+Every field, the cluster codes (:data:`SELECT`, :data:`OWN`, the strategies' ``INITIAL``), the
+error codes (:data:`BUDGET_EXCEEDED`, :data:`SILO_FAILED`, :data:`BAD_REQUEST`) and the packed
+model format (:func:`pack`) are documented in docs/protocol.md; what a silo accepts is
+validated in :mod:`dpcfl_flwr.requests`.
 """
 
 from __future__ import annotations
