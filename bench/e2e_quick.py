@@ -74,8 +74,18 @@ def main() -> None:
         f"{100 * np.std(means):.1f}% {AGAINST_REFERENCE[0]}, minority "
         f"{100 * np.mean(minorities):.1f} ± {100 * np.std(minorities):.1f}% "
         f"{AGAINST_REFERENCE[1]}." + _seed_zero_line(seed_zero))
-    title = "End to end: the quick example" + (f" with {', '.join(args.set)}" if args.set else "")
+    title = ("End to end: the quick example" + (f" with {', '.join(args.set)}" if args.set else "")
+             + _repeats(args.seeds))
     publish(title, body, append=not args.no_append)
+
+
+def _repeats(seeds: str) -> str:
+    """A title's mark for repeated runs of one seed (their own current section in RESULTS.md,
+    beside the runs across seeds)."""
+    chosen = seeds.split(",")
+    if len(chosen) > 1 and len(set(chosen)) == 1:
+        return f" (seed {chosen[0]}, {len(chosen)} runs)"
+    return ""
 
 
 def _seed_zero_line(runs: list[tuple[float, float]]) -> str:

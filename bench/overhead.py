@@ -50,6 +50,8 @@ from dpcfl_flwr.deploy.localhost import LocalDeployment, silo_flags  # noqa: E40
 from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
 
 WORKERS = 2
+DEFAULT_ROUNDS = 4
+DEFAULT_TRANSPORTS = "simulation,grpc"
 
 
 def quick(rounds: int, out: Path, scale: dict[str, int]) -> dict:
@@ -153,8 +155,8 @@ def split_by_process(name: str, results: dict, sampler: ProcessCpuSampler) -> st
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--transports", default="simulation,grpc")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
+    parser.add_argument("--transports", default=DEFAULT_TRANSPORTS)
     parser.add_argument("--samples-per-client", type=int,
                         help="N_i (default: the quick example's 500; the paper's is 8000)")
     parser.add_argument("--cpus-per-client", type=float, default=1.0,
@@ -201,9 +203,19 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|\n"
             + "\n".join(table) + "\n\n" + "\n".join(f"- {s}" for s in summary)
             + "".join(f"\n\n{split}" for split in splits))
-    scale = f"N_i = {args.samples_per_client}" if args.samples_per_client else "quick example"
-    publish(f"Framework overhead per round ({scale}, 21 silos)", body,
-            append=not args.no_append)
+    publish(_title(args), body, append=not args.no_append)
+
+
+def _title(args: argparse.Namespace) -> str:
+    """The section title: the scale, and the transports and rounds where they are not the
+    standard run's, so each kind of run keeps its own current section in RESULTS.md."""
+    parts = [f"N_i = {args.samples_per_client}" if args.samples_per_client else "quick example",
+             "21 silos"]
+    if args.transports != DEFAULT_TRANSPORTS:
+        parts.append(f"transports {args.transports}")
+    if args.rounds != DEFAULT_ROUNDS:
+        parts.append(f"{args.rounds} rounds")
+    return f"Framework overhead per round ({', '.join(parts)})"
 
 
 if __name__ == "__main__":
