@@ -254,3 +254,14 @@ def test_a_silo_keeps_its_open_session_next_to_its_ledger():
                  'partition-id=0 epsilon=4.0 ledger-path="/srv/ledgers/silo-00.json"']
     assert session_file(arguments) == Path("/srv/ledgers/silo-00.json.session")
     assert session_file(["--node-config", "partition-id=0"]) is None
+
+
+def test_a_silo_key_that_is_not_one_is_refused_before_the_superlink_starts(tmp_path):
+    paths = make_certificates(tmp_path, ["localhost"], ["silo-00"])
+    bad = tmp_path / "bad.pub"
+    bad.write_text("ecdsa-sha2-nistp256 AAAAnotakey silo-99\n")
+    settings = ServerSettings(certs=tmp_path, register=[paths.nodes["silo-00"][1], bad,
+                                                        tmp_path / "gone.pub"])
+    assert check_server(settings) == [
+        f"{bad} is not an OpenSSH elliptic-curve public key (the .pub files of `dpcfl certs` "
+        "are)", f"public key {tmp_path / 'gone.pub'} does not exist"]
