@@ -35,7 +35,7 @@ class ExperimentConfig(_Config):
     """Everything the server proposes for a run (``[tool.flwr.app.config]`` + overrides)."""
 
     method: Literal["rdpcfl", "global", "local", "ifca", "mrmtl", "oracle", "km"] = "rdpcfl"
-    # data: the paper's cluster-structured split (spec §6)
+    # data: the paper's cluster-structured split (docs/experiments.md)
     dataset: Literal["fmnist", "mnist", "cifar10"] = "fmnist"
     data_dir: str = ""
     shift: Literal["rotation", "label_flip"] = "rotation"
@@ -47,7 +47,7 @@ class ExperimentConfig(_Config):
     # so a run can be set beside theirs; "per-client": each silo's draw seeded on its own
     data_draw: Literal["per-client", "authors"] = "authors"
     model: Literal["cnn", "resnet18"] = "cnn"
-    # training schedule (spec §2.1)
+    # training schedule (docs/algorithm.md#hyper-parameters-and-defaults)
     num_server_rounds: int = Field(30, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -66,7 +66,7 @@ class ExperimentConfig(_Config):
     select_ratio: float = Field(0.03, gt=0.0, lt=1.0)
     selection: Literal["window", "every-round"] = "window"
     select_window: float = Field(0.1, gt=0.0, le=1.0)
-    # clustering (spec §2.6)
+    # clustering (docs/algorithm.md#stage-1-clustering-the-round-1-updates)
     n_clusters: int = Field(4, ge=0, description="0: choose M by maximum MSS")
     max_clusters: int = Field(10, ge=2)
     pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")

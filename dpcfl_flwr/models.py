@@ -1,4 +1,4 @@
-"""The paper's models (spec §6.3), both trainable with per-sample gradients (Opacus).
+"""The paper's models (docs/experiments.md#models), trainable with per-sample gradients.
 
 - ``cnn``: two 5x5 conv + max-pool blocks and one linear layer producing logits
   (28,938 parameters; the authors' code has no activation after the last layer).

@@ -280,7 +280,8 @@ class Silo:
 
     def select(self, candidates: list[dict[str, torch.Tensor]], plan: SiloPlan,
                round_number: int) -> int:
-        """Private cluster selection: exponential mechanism on train accuracy (spec §2.8)."""
+        """Private cluster selection: exponential mechanism on train accuracy
+        (docs/algorithm.md#stage-3-private-cluster-selection, A10)."""
         utilities = [
             100.0 * evaluate(self.new_model(s), self.data.x_train, self.data.y_train)[1]
             for s in candidates

@@ -1,4 +1,7 @@
-"""DP-SGD local training (spec §2.4-2.5) and evaluation of a model on a client's split.
+"""DP-SGD local training and evaluation of a model on a client's split.
+
+docs/algorithm.md#dp-sgd-step states the step (A1), the steps of a round (A2) and their noise
+(A3).
 
 One DP step: Poisson-sample a logical batch (or take all N records in the full-batch round),
 compute per-sample gradients (:mod:`dpcfl_flwr.per_sample`) on physical chunks of bounded size,

@@ -23,7 +23,8 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def test_noise_command_prints_the_spec_table_value():
-    # spec §3: FMNIST N=8000, eps_train = 3.5040 (eps_total = 5) -> R-DPCFL z = 1.85.
+    # docs/privacy.md#reference-values: FMNIST N=8000, eps_train = 3.5040 (eps_total = 5)
+    # -> R-DPCFL z = 1.85.
     out = _run("privacy", "noise", "--samples", "8000", "--batch", "32", "--first-batch", "full",
                "--epsilon", "3.5040", "--delta", "1e-4", "--rounds", "200", "--epochs", "1",
                "--conversion", "classic").stdout

@@ -1,4 +1,5 @@
-"""The server's clustering pipeline (spec §2.6) on synthetic mixtures and on real Fashion-MNIST."""
+"""The server's clustering pipeline (docs/algorithm.md#stage-1-clustering-the-round-1-updates)
+on synthetic mixtures and on real Fashion-MNIST."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_scaling_and_degenerate_input():
         scale_points(points, "robust")
 
 
-# --- real data: spec §7.1 Fig. 5 and Fig. 9 (left) on Fashion-MNIST rotations ----------------
+# --- real data: the paper's Fig. 5 and Fig. 9 (left) on Fashion-MNIST rotations -------------
+# (docs/experiments.md#final-paper)
 N_PER_CLIENT, ROUNDS, EPSILON, DELTA, LR, CLIP = 2000, 200, 10.0, 1e-4, 0.005, 3.0
 
 

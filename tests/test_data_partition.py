@@ -1,4 +1,5 @@
-"""The cluster-structured split (spec §6.1-6.2): topology, sampling, shifts, normalisation."""
+"""The cluster-structured split (docs/experiments.md): topology, sampling, shifts,
+normalisation."""
 
 from __future__ import annotations
 

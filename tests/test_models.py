@@ -1,4 +1,5 @@
-"""The paper's models: exact parameter counts (spec §6.3) and per-sample-gradient compatibility."""
+"""The paper's models: exact parameter counts (docs/experiments.md#models) and
+per-sample-gradient compatibility."""
 
 from __future__ import annotations
 

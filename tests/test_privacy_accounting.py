@@ -1,4 +1,5 @@
-"""The accountant against the authors' reference tables (spec §2.3, §3) and against Opacus."""
+"""The accountant against the authors' reference tables (docs/privacy.md#reference-values) and
+against Opacus."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from dpcfl_flwr.privacy.rdp import sgm_rdp_single
 
 DELTA = 1e-4
 
-# spec §2.3: N_i, b, eps -> z single-stage, z two-stage (K=1, E=200, delta=1e-4, unrounded)
+# docs/privacy.md#reference-values: N_i, b, eps -> z single-stage, z two-stage (K=1, E=200,
+# delta=1e-4, unrounded)
 NOISE_TABLE = [
     (8000, 32, 15, 0.6678, 0.7115), (8000, 32, 10, 0.7733, 0.8646),
     (8000, 32, 5, 1.0907, 1.3805), (8000, 32, 3, 1.5447, 2.1196),
@@ -34,13 +36,15 @@ NOISE_TABLE = [
     (6600, 32, 10, 0.8104, 0.9011),
 ]
 
-# spec §3: eps_total -> eps_select, eps_clustering, eps_train (T_sel = 20, ratio 0.03)
+# docs/privacy.md#reference-values: eps_total -> eps_select, eps_clustering, eps_train
+# (T_sel = 20, ratio 0.03)
 SPLIT_TABLE = [
     (15, 0.45, 4.8251, 10.1749), (10, 0.30, 3.1041, 6.8959), (5, 0.15, 1.4960, 3.5040),
     (4, 0.12, 1.1876, 2.8124), (3, 0.09, 0.8841, 2.1159), (2, 0.06, 0.5848, 1.4152),
 ]
 
-# spec §3: (N, b R-DPCFL, b baselines, eps_total) -> z R-DPCFL, z IFCA, z Global (2 decimals)
+# docs/privacy.md#reference-values: (N, b R-DPCFL, b baselines, eps_total) -> z R-DPCFL,
+# z IFCA, z Global (2 decimals)
 METHOD_TABLE = [
     (8000, 32, 32, 15, 0.86, 0.77, 0.67), (8000, 32, 32, 10, 1.09, 0.91, 0.77),
     (8000, 32, 32, 5, 1.85, 1.38, 1.09), (8000, 32, 32, 4, 2.24, 1.62, 1.26),
@@ -85,7 +89,7 @@ def test_sgm_rdp_matches_opacus_analysis(q, z):
 
 
 def test_full_batch_rdp_is_the_gaussian_mechanism():
-    # q = 1: no amplification, RDP = alpha / (2 z^2) per step (spec §2.3).
+    # q = 1: no amplification, RDP = alpha / (2 z^2) per step (docs/privacy.md, P2).
     z = 1.37
     np.testing.assert_allclose(
         sgm_rdp(1.0, z, 3, DEFAULT_ORDERS), 3 * np.asarray(DEFAULT_ORDERS) / (2 * z * z)
@@ -111,7 +115,7 @@ def test_calibrated_noise_never_exceeds_the_target():
 
 
 def test_first_round_full_batch_costs_more_noise_at_small_epsilon():
-    # spec §2.3 take-away: N=8000, eps=3: single-stage 1.54 -> two-stage 2.12.
+    # docs/privacy.md#the-full-batch-round: N=8000, eps=3: single-stage 1.54 -> two-stage 2.12.
     single = calibrate_noise_multiplier(single_stage_schedule(8000, 32, 1, 200), 3, DELTA)
     two = calibrate_noise_multiplier(two_stage_schedule(8000, 32, 1, 200), 3, DELTA)
     assert two / single == pytest.approx(2.1196 / 1.5447, rel=1e-3)

@@ -136,7 +136,8 @@ def test_ifca_draws_round_one_then_selects_for_t_sel_rounds_and_freezes(server_t
         for message in _messages(grid, server_round).values():
             assert sorted(model_records(message.content)) == [cluster_key(m) for m in range(3)]
             config = message.content.config_records["config"]
-            # IFCA charges T_sel selections and calibrates single-stage noise (spec §5 item 3).
+            # IFCA charges T_sel selections and calibrates single-stage noise
+            # (docs/algorithm.md#dp-ifca).
             assert (config["select-rounds"], config["first-batch"]) == (t_sel, "32")
     for server_round in range(2 + t_sel, ROUNDS + 1):
         for partition, config in _configs(grid, server_round).items():

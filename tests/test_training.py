@@ -51,7 +51,8 @@ def test_full_batch_step_is_minus_lr_times_clipped_mean_gradient(physical):
 
 
 def test_full_batch_noise_has_lemma_4_1_variance():
-    # Full batch, K = 1: Var(dTheta) per coordinate = lr^2 z^2 c^2 / N^2 (spec §4, Lemma 4.1).
+    # Full batch, K = 1: Var(dTheta) per coordinate = lr^2 z^2 c^2 / N^2 (paper Lemma 4.1;
+    # docs/algorithm.md#dp-sgd-step, A3).
     x, y = _data(40)
     lr, z, clip = 0.2, 2.0, 1.5
     updates = torch.stack([

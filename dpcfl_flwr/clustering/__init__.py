@@ -1,4 +1,7 @@
-"""Server-side clustering of DP model updates (spec §2.6)."""
+"""Server-side clustering of DP model updates.
+
+docs/algorithm.md#stage-1-clustering-the-round-1-updates (equations A4-A8).
+"""
 
 from .gmm import (
     GMMFit,

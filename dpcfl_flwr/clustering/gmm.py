@@ -1,4 +1,6 @@
-"""The server's clustering of round-1 updates (spec §2.6): PCA to 2-D, scaling, spherical GMM.
+"""The server's clustering of round-1 updates: projection, scaling, spherical GMM, MSS/MPO.
+
+docs/algorithm.md#stage-1-clustering-the-round-1-updates states the pipeline (A4-A8).
 
 Round-1 updates of clients in one cluster are draws from one isotropic Gaussian (Lemma 4.1), so
 a spherical GMM fits them; its separation score MSS = min over pairs of
@@ -25,7 +27,8 @@ _COLUMN_BLOCK = 1 << 18
 
 def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
     """The authors' projection: principal axes of the per-parameter standardised updates,
-    applied to the raw updates (spec §2.6 step 2). Returns an (n, n_components) array.
+    applied to the raw updates (docs/algorithm.md#projection, A4). Returns an
+    (n, n_components) array.
 
     Computed from n x n Gram matrices, which equals sklearn's StandardScaler + PCA up to the
     sign of each axis (irrelevant downstream: scaling and the GMM are reflection-equivariant).
@@ -80,7 +83,8 @@ def overlap(score: float) -> float:
 
 @dataclass(frozen=True)
 class GMMFit:
-    """One spherical GMM fitted to the projected points, with uniform weights (spec §2.6)."""
+    """One spherical GMM fitted to the projected points, with uniform weights
+    (docs/algorithm.md#spherical-gmm, A5; MSS and MPO: A6)."""
 
     means: np.ndarray
     radii: np.ndarray

@@ -1,7 +1,8 @@
 """Round-1 updates computed in one process, without Flower: the clustering signal on its own.
 
-Used by tests and benchmarks that study the server's clustering step (spec §7.1 Fig. 5,
-Fig. 9) without running a federation; the Flower app computes the same updates per silo.
+Used by tests and benchmarks that study the server's clustering step (the paper's Figs. 5
+and 9, docs/experiments.md#final-paper) without running a federation; the Flower app
+computes the same updates per silo.
 """
 
 from __future__ import annotations

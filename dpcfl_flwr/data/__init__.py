@@ -1,4 +1,5 @@
-"""Datasets of the experiments: file readers and the paper's cluster-structured split (spec §6)."""
+"""Datasets of the experiments: file readers and the paper's cluster-structured split
+(docs/experiments.md)."""
 
 from .partition import (
     DRAWS,

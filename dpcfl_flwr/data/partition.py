@@ -1,4 +1,4 @@
-"""The paper's cluster-structured split of a dataset over clients (spec §6.1-6.2).
+"""The paper's cluster-structured split of a dataset over clients (docs/experiments.md).
 
 Clients are grouped into M clusters (default {3, 6, 6, 6}, cluster 0 = the minority). Every
 client of cluster k sees the same kind of shift:
@@ -155,7 +155,8 @@ class ClientData:
 
 
 def normalisation(dataset: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel (mean, std) applied after scaling pixels to [0, 1] [CODE, spec §6.2]."""
+    """Per-channel (mean, std) applied after scaling pixels to [0, 1] [CODE]
+    (docs/experiments.md#datasets-and-shifts)."""
     try:
         return _NORMALISATION[dataset]
     except KeyError:
@@ -317,7 +318,8 @@ def make_client_data(
     samples_per_client: int, seed: int, val_fraction: float = 0.25,
     test_samples: int | None = None, dataset: str = "fmnist", draw: str = "per-client",
 ) -> ClientData:
-    """Client ``client_id``'s data under ``shift`` in {"rotation", "label_flip"} (spec §6.1-6.2).
+    """Client ``client_id``'s data under ``shift`` in {"rotation", "label_flip"}
+    (docs/experiments.md#records-per-client).
 
     Deterministic from (seed, client_id, draw), so every process can build any client's data
     on its own.

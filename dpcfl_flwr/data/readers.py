@@ -1,4 +1,6 @@
-"""Readers for the image datasets of the experiments (spec §6.1): MNIST, Fashion-MNIST, CIFAR-10.
+"""Readers for the image datasets of the experiments: MNIST, Fashion-MNIST, CIFAR-10.
+
+docs/experiments.md#datasets-and-shifts says where each is found.
 
 torchvision is not available on the target machines, so the files are parsed here with numpy:
 the IDX format of MNIST/Fashion-MNIST (gzipped or raw) and the python-pickle batches of

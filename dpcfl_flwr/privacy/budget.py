@@ -1,10 +1,11 @@
 """A client's total budget eps_total split between training and private cluster selection.
 
-Spec §3: the authors spend eps_select = ratio * eps_total per exponential-mechanism selection,
-charge T_sel selections as alpha * eps_select^2 / 8 in RDP (zCDP of the exponential mechanism),
-convert that alone to eps_clustering, and calibrate DP-SGD to eps_train = eps_total -
-eps_clustering. Strictly this composes to (eps_total, 2*delta). The ``joint`` alternative adds
-the two RDP curves and converts once, which yields (eps_total, delta) and a smaller z.
+docs/privacy.md#budget-split-and-joint-mode (P7, P8). The authors spend eps_select = ratio *
+eps_total per exponential-mechanism selection, charge T_sel selections as alpha *
+eps_select^2 / 8 in RDP (zCDP of the exponential mechanism), convert that alone to
+eps_clustering, and calibrate DP-SGD to eps_train = eps_total - eps_clustering. Strictly this
+composes to (eps_total, 2*delta). The ``joint`` alternative adds the two RDP curves and
+converts once, which yields (eps_total, delta) and a smaller z.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def split_budget(
     conversion: Conversion = "classic", mode: BudgetMode = "split",
     orders: Sequence[float] = DEFAULT_ORDERS,
 ) -> BudgetSplit:
-    """Divide eps_total (spec §3 table). In ``joint`` mode eps_clustering and eps_train are
-    not separately meaningful; they are reported as the selections' own conversion and the
-    remainder, for reading only."""
+    """Divide eps_total (docs/privacy.md#reference-values). In ``joint`` mode eps_clustering
+    and eps_train are not separately meaningful; they are reported as the selections' own
+    conversion and the remainder, for reading only."""
     if epsilon_total <= 0:
         raise ValueError(f"epsilon must be positive, got {epsilon_total}")
     if select_rounds < 0:

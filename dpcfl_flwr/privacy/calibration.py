@@ -34,8 +34,9 @@ def calibrate_noise_multiplier(
     orders: Sequence[float] = DEFAULT_ORDERS,
     lower: float = 1e-3, upper: float = 1e3, relative_tolerance: float = 1e-7,
 ) -> float:
-    """Solve eps(z) = target for z in [lower, upper] (spec §2.3 bisects; we use Brent's method)
-    and return a z that provably satisfies eps(z) <= target_epsilon.
+    """Solve eps(z) = target for z in [lower, upper] (the authors bisect; we use Brent's
+    method) and return a z that provably satisfies eps(z) <= target_epsilon
+    (docs/privacy.md#calibrating-z).
 
     Raises ValueError when even z = ``upper`` cannot meet the target (budget too small or
     the extra RDP, e.g. the selections, already exceeds it).

@@ -3,7 +3,7 @@
 The sampled Gaussian mechanism (SGM) bound is the one of Mironov, Talwar & Zhang (2019),
 "Renyi Differential Privacy of the Sampled Gaussian Mechanism", Sections 3.2 (integer orders,
 a finite binomial sum) and 3.3 (fractional orders, two infinite series with erfc factors).
-It is the add/remove-adjacency bound; spec §9 item 8 records why we keep it.
+It is the add/remove-adjacency bound; docs/privacy.md#adjacency says why we keep it.
 
 Everything here is a pure function of floats so that tests can compare it against an
 independent implementation (Opacus' RDP analysis) and against the authors' reference tables.
@@ -21,8 +21,8 @@ from scipy import special
 
 Conversion = Literal["classic", "tight"]
 
-#: RDP orders alpha used throughout: 1.1, 1.2, ..., 10.9 then the integers 12..63 (spec §2.3;
-#: the TF-Privacy/authors' grid, which is also Opacus' default).
+#: RDP orders alpha used throughout: 1.1, 1.2, ..., 10.9 then the integers 12..63 (the
+#: TF-Privacy/authors' grid, which is also Opacus' default; docs/privacy.md#rdp-orders).
 DEFAULT_ORDERS: tuple[float, ...] = tuple(1 + x / 10 for x in range(1, 100)) + tuple(
     float(a) for a in range(12, 64)
 )

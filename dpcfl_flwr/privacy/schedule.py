@@ -1,7 +1,7 @@
 """DP-SGD schedules: which sampled-Gaussian steps a client will run over a whole training.
 
 A schedule is a list of phases, each a number of SGM steps at one sampling rate; every phase
-uses the same noise multiplier z (spec §2.3: "the same z_i for every batch gradient").
+uses the same noise multiplier z (paper §5; docs/privacy.md#schedules, P3).
 R-DPCFL runs two phases (round 1 at rate 1 with the full batch, then rounds 2..E at rate b/N);
 the baselines run one.
 """
@@ -34,7 +34,8 @@ class GaussianPhase:
 def steps_per_round(num_samples: int, batch_size: int, epochs: int, exact: bool = True) -> float:
     """SGM steps one client runs in one round of K epochs at expected batch size b.
 
-    Executed training runs ceil(N/b) Poisson steps per epoch (spec §2.4). ``exact=False``
+    Executed training runs ceil(N/b) Poisson steps per epoch (docs/algorithm.md#dp-sgd-step,
+    A2). ``exact=False``
     gives the authors' planning formula K*N/b (a real number), used to reproduce their tables.
     """
     if batch_size <= 0 or num_samples <= 0 or epochs <= 0:
@@ -60,7 +61,8 @@ def round_phase(
 def single_stage_schedule(
     num_samples: int, batch_size: int, epochs: int, rounds: int, exact: bool = True
 ) -> list[GaussianPhase]:
-    """The baselines' schedule: every one of the E rounds at batch b (spec §2.3 ``compute_z``)."""
+    """The baselines' schedule: every one of the E rounds at batch b (the authors'
+    ``compute_z``; docs/privacy.md#schedules)."""
     return [round_phase(num_samples, batch_size, epochs, rounds, exact)]
 
 

@@ -1,4 +1,7 @@
-"""Private cluster selection with the exponential mechanism (spec §2.8).
+"""Private cluster selection with the exponential mechanism.
+
+docs/algorithm.md#stage-3-private-cluster-selection (A10) and
+docs/privacy.md#exponential-mechanism-selections (P4).
 
 A client scores every cluster model by its train accuracy in percent; changing one record
 moves an accuracy by at most 100/(N-1) points, the sensitivity. Sampling with probability

@@ -1,4 +1,5 @@
-"""Per-cluster aggregation of model updates (spec §2.2 lines 21-22)."""
+"""Per-cluster aggregation of model updates (paper Algorithm 1; docs/algorithm.md#aggregation,
+A11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Global (DP-FedAvg, Noble et al. 2021; spec §5 item 1): one model for every silo.
+"""Global (DP-FedAvg, Noble et al. 2021): one model for every silo.
+
+docs/algorithm.md#global-dp-fedavg.
 
 Silos run DP-SGD from the global model with the single-stage schedule at eps_total; the
 server averages their updates with uniform weights.

@@ -1,4 +1,6 @@
-"""DP-IFCA (Ghosh et al. 2020 with private selection; spec §5 item 3): clustering by losses.
+"""DP-IFCA (Ghosh et al. 2020 with private selection): clustering by losses.
+
+docs/algorithm.md#dp-ifca.
 
 M cluster models start equal (theta_init). Round 1: each silo trains a cluster drawn uniformly
 (what selecting among identical models amounts to), and the server aggregates. Rounds

@@ -1,4 +1,6 @@
-"""KM-CDPFL (Werner et al. 2023; spec §5 item 7, older paper versions): myopic clustering.
+"""KM-CDPFL (Werner et al. 2023; a baseline of the older paper versions): myopic clustering.
+
+docs/algorithm.md#k-means-km-cdpfl.
 
 Every round each silo trains the model of its current cluster; the server then runs
 k-means++ on that round's DP updates and rebuilds each cluster's model as the mean of its

@@ -1,4 +1,4 @@
-"""Local (spec §5 item 2): no federation. Each silo trains its own model with DP-SGD.
+"""Local (docs/algorithm.md#local): no federation. Each silo trains its own model with DP-SGD.
 
 The server sends theta_init once (so every silo starts alike) and afterwards only asks for
 rounds; models never leave the silos, whose replies carry metrics only.

@@ -1,4 +1,4 @@
-"""MR-MTL (mean-regularised multi-task learning; spec §5 item 4).
+"""MR-MTL (mean-regularised multi-task learning; docs/algorithm.md#mr-mtl).
 
 Each silo i keeps a personal model theta_i and minimises f_i(theta_i) + (lambda/2)
 ||theta_i - theta_bar||^2, theta_bar the uniform mean of the personal models. The server keeps

@@ -1,4 +1,4 @@
-"""O-DPCFL (spec §5 item 5): clustered DP-FL that is told the true clusters.
+"""O-DPCFL (docs/algorithm.md#oracle-o-dpcfl): clustered DP-FL told the true clusters.
 
 Only for evaluation: the true-cluster labels come from the silos' query replies (the topology
 in simulation, the silo file in deployment). Same aggregation as R-DPCFL, single-stage

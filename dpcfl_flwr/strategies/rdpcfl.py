@@ -1,4 +1,6 @@
-"""R-DPCFL (Algorithm 1 of the TMLR 2025 paper, spec §2): cluster by gradients, then by losses.
+"""R-DPCFL (Algorithm 1 of the TMLR 2025 paper): cluster by gradients, then by losses.
+
+docs/algorithm.md states it stage by stage, with the equations the code cites (A1-A11).
 
 Round 1: every silo takes one full-batch DP step from theta_init; the server clusters the
 updates (PCA -> spherical GMM), records MSS/MPO and sets E_c = floor((1 - MPO) E / 2).
@@ -28,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ClusteringOutcome:
-    """What the server learnt from round 1 (spec §2.6), for results and plots."""
+    """What the server learnt from round 1, for results and plots
+    (docs/algorithm.md#stage-1-clustering-the-round-1-updates)."""
 
     partitions: list[int]
     n_clusters: int
@@ -68,8 +71,8 @@ class RDPCFL(ClusteredStrategy):
                         e.budget_mode)
 
     def select_window(self) -> range:
-        """Rounds with private selection: E_c+1 .. E_c+T_sel (exactly T_sel charged, spec
-        §9 item 21), or every round after E_c."""
+        """Rounds with private selection: E_c+1 .. E_c+T_sel (exactly T_sel run and charged,
+        docs/algorithm.md#stage-3-private-cluster-selection), or every round after E_c."""
         last = self.experiment.num_server_rounds
         if self.experiment.selection == "every-round":
             return range(self.switch + 1, last + 1)
@@ -95,7 +98,8 @@ class RDPCFL(ClusteredStrategy):
         if stage == "clustering":
             return dict.fromkeys(partitions, INITIAL)
         if stage == "soft":
-            # A fresh draw every round, seeded per round for reproducibility (spec §2.7).
+            # A fresh draw every round, seeded per round for reproducibility
+            # (docs/algorithm.md#stage-2-soft-clustering).
             rng = np.random.default_rng([self.experiment.seed, server_round])
             return {p: int(rng.choice(self.n_clusters, p=self._pi(p))) for p in partitions}
         if stage == "select":
@@ -151,7 +155,7 @@ class RDPCFL(ClusteredStrategy):
 
     def _reset_model(self, updates: dict[int, np.ndarray], partitions: list[int]) -> np.ndarray:
         """theta_init for every cluster ([001] Alg. 1 line 13), or the authors' code: the
-        round-1 model of the first client (spec §9 item 9)."""
+        round-1 model of the first client (docs/algorithm.md#where-we-differ-from-the-paper)."""
         if self.experiment.cluster_init == "client0":
             return (self.initial + updates[partitions[0]]).astype(np.float32)
         return self.initial.copy()
