@@ -6,7 +6,8 @@ with a complete ``results.json`` is kept, anything else is cleared and run again
 ledgers must start empty, or they would rightly refuse to train a second time).
 
 The config file is a TOML table of run-config keys, plus optional ``[method.<name>]`` tables
-of per-method overrides (the paper tunes learning rate and batch size per method, spec §6.4).
+of per-method overrides (the paper tunes learning rate and batch size per method:
+docs/experiments.md#training-hyper-parameters).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def minority_cluster(true_clusters: dict[int, int]) -> int | None:
 def structure_found(truth: dict[int, int], assigned: dict[int, int]
                     ) -> tuple[bool, bool | None]:
     """(final partition equals the true one up to relabelling, the minority silos share a
-    cluster with no majority silo: None without a minority) -- spec §2.10's
-    operationalisation."""
+    cluster with no majority silo: None without a minority), as
+    docs/algorithm.md#evaluation-protocol counts them."""
     partitions = sorted(truth)
     exact = adjusted_rand_score([truth[p] for p in partitions],
                                 [assigned[p] for p in partitions]) == 1.0

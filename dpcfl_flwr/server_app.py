@@ -38,9 +38,10 @@ def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
     strategy.start(grid, initial, experiment.num_server_rounds, experiment.round_timeout)
     results = recorder.finish(strategy)
     summary = results["summary"]
-    logger.info("results in %s: mean accuracy %.4f, minority accuracy %.4f",
+    minority = summary.get("minority_accuracy")
+    logger.info("results in %s: mean accuracy %.4f, minority accuracy %s",
                 Path(experiment.out_dir).resolve(), summary.get("mean_accuracy") or 0.0,
-                summary.get("minority_accuracy") or 0.0)
+                "- (no minority cluster)" if minority is None else f"{minority:.4f}")
     return results
 
 

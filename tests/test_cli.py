@@ -22,7 +22,7 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
                           check=check)
 
 
-def test_noise_command_prints_the_spec_table_value():
+def test_noise_command_prints_the_reference_table_value():
     # docs/privacy.md#reference-values: FMNIST N=8000, eps_train = 3.5040 (eps_total = 5)
     # -> R-DPCFL z = 1.85.
     out = _run("privacy", "noise", "--samples", "8000", "--batch", "32", "--first-batch", "full",

@@ -60,7 +60,9 @@ def test_default_topology_matches_the_authors_code() -> None:
 
 
 def test_topology_minority_ties_and_parse() -> None:
-    assert Topology((5, 2, 2)).minority_cluster() == 1
+    assert Topology((5, 2, 3)).minority_cluster() == 1
+    assert Topology((5, 2, 2)).minority_cluster() is None  # no cluster smaller than the rest
+    assert Topology((2, 2)).minority_cluster() is None and Topology((4,)).minority_cluster() is None
     assert Topology.parse(" 4, 2 ,7") == Topology((4, 2, 7))
     assert str(Topology.parse("3,6,6,6")) == "3,6,6,6"
     assert Topology([2, 2]).cluster_sizes == (2, 2)  # type: ignore[arg-type]

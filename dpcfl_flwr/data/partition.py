@@ -115,9 +115,12 @@ class Topology:
         first = sum(self.cluster_sizes[:cluster])
         return list(range(first, first + self.cluster_sizes[cluster]))
 
-    def minority_cluster(self) -> int:
-        """The smallest cluster (the lowest index on ties), whose accuracy RQ2 reports."""
-        return min(range(self.num_clusters), key=lambda cluster: self.cluster_sizes[cluster])
+    def minority_cluster(self) -> int | None:
+        """The cluster smaller than every other (the paper's minority, whose accuracy RQ2
+        reports); None when no cluster is ({2, 2}, {5, 2, 2}, one cluster)."""
+        smallest = min(self.cluster_sizes)
+        at_smallest = [c for c, size in enumerate(self.cluster_sizes) if size == smallest]
+        return at_smallest[0] if self.num_clusters > 1 and len(at_smallest) == 1 else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -60,7 +60,9 @@ def silo_file_text(topology: Topology, index: int, superlink: str, runtime_port:
     """Silo ``index``'s file: its budget (``experiment``'s epsilon and delta), ledger and the
     split ``experiment`` would give it (:func:`silo_split`)."""
     name, cluster = silo_name(index), topology.cluster_of(index)
-    role = "minority" if cluster == topology.minority_cluster() else "majority"
+    minority = topology.minority_cluster()
+    role = ("no minority: equal smallest clusters" if minority is None
+            else "minority" if cluster == minority else "majority")
     split = "\n".join(f"{key} = {_toml(value)}"
                       for key, value in silo_split(experiment, topology).items())
     return f'''# {name}: client {index} of topology {{{topology}}}, true cluster {cluster} ({role}).
