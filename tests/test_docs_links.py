@@ -1,0 +1,45 @@
+"""Every reference to a docs page (``docs/<page>.md`` and ``docs/<page>.md#<anchor>``) in the
+code, tests, README and docs points to a page that exists and a heading it has."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {_anchor(line.lstrip("#")) for line in page.read_text().splitlines()
+            if line.startswith("#")}
+
+
+def _sources() -> list[Path]:
+    found = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    for folder in ("dpcfl_flwr", "tests", "bench", "examples"):
+        found += sorted(p for p in (REPO / folder).rglob("*")
+                        if p.suffix in (".py", ".toml", ".md") and p.is_file())
+    return found
+
+
+def test_every_docs_reference_resolves():
+    broken, seen = [], 0
+    for source in _sources():
+        for number, line in enumerate(source.read_text(errors="replace").splitlines(), 1):
+            for page, anchor in REFERENCE.findall(line):
+                seen += 1
+                target = REPO / "docs" / page
+                where = f"{source.relative_to(REPO)}:{number}"
+                if not target.is_file():
+                    broken.append(f"{where}: no docs/{page}")
+                elif anchor and anchor not in _anchors(target):
+                    broken.append(f"{where}: docs/{page} has no heading #{anchor}")
+    assert seen > 20  # the code does cite the docs
+    assert not broken, "\n".join(broken)
