@@ -42,8 +42,6 @@ relative to the file. Everything is checked before anything starts.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import sys
 import tempfile
@@ -64,27 +62,11 @@ from ..config import (
     parse_node_config,
     parse_run_config,
 )
+from .environment import flower_tool
+from .environment import use_this_environment as use_this_environment  # for commands
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
-
-
-def use_this_environment() -> None:
-    """Put this Python's bin directory first on PATH: Flower's SuperLink and SuperNode start
-    their helpers (flwr-serverapp, flower-superexec, flwr-clientapp) by name."""
-    bin_dir = str(Path(sys.executable).parent)
-    parts = os.environ.get("PATH", "").split(os.pathsep)
-    if parts[:1] != [bin_dir]:
-        os.environ["PATH"] = os.pathsep.join([bin_dir, *parts])
-
-
-def flower_tool(name: str) -> str | None:
-    """Flower's command ``name`` from this Python's environment (else from PATH): a silo
-    started as .venv/bin/dpcfl must use the same flwr version without activating the venv."""
-    sibling = Path(sys.executable).parent / name
-    if sibling.is_file():
-        return str(sibling)
-    return shutil.which(name)
 
 
 class SiloFile(_Config):

@@ -56,7 +56,7 @@ from flwr.supernode.runtime.run_clientapp import (
 )
 
 from . import app_pin
-from .silo_file import flower_tool
+from .environment import flower_tool
 
 logger = logging.getLogger(__name__)
 
