@@ -247,13 +247,19 @@ def test_silos_are_told_an_address_they_can_dial(tmp_path):
         "10.0.0.5:9092"]
 
 
-def test_a_silo_keeps_its_open_session_next_to_its_ledger():
+def test_a_silo_keeps_its_open_session_in_the_flower_home_per_superlink_and_key(tmp_path):
     from dpcfl_flwr.deploy.supernode_launcher import session_file
 
-    arguments = ["--superlink", "127.0.0.1:9092", "--node-config",
-                 'partition-id=0 epsilon=4.0 ledger-path="/srv/ledgers/silo-00.json"']
-    assert session_file(arguments) == Path("/srv/ledgers/silo-00.json.session")
-    assert session_file(["--node-config", "partition-id=0"]) is None
+    def arguments(superlink: str, key: str) -> list[str]:
+        return ["--superlink", superlink, "--node-config", "partition-id=0",
+                "--auth-supernode-private-key", key]
+
+    silo_00 = session_file(arguments("10.0.0.5:9092", "certs/nodes/silo-00"), tmp_path)
+    assert silo_00 is not None and silo_00.parent == tmp_path / "dpcfl-sessions"
+    assert silo_00 == session_file(arguments("10.0.0.5:9092", "certs/nodes/silo-00"), tmp_path)
+    assert silo_00 != session_file(arguments("10.0.0.5:9092", "certs/nodes/silo-01"), tmp_path)
+    assert silo_00 != session_file(arguments("10.0.0.6:9092", "certs/nodes/silo-00"), tmp_path)
+    assert session_file(["--superlink", "10.0.0.5:9092"], tmp_path) is None  # no node key
 
 
 def test_a_silo_key_that_is_not_one_is_refused_before_the_superlink_starts(tmp_path):

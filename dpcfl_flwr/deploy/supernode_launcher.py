@@ -32,7 +32,7 @@ polls the channel five times a second for it): 21 idle silos' ticks and polls we
 the training silos on the same cores did not get.
 
 A silo restarted after a crash rejoins at once: the SuperNode keeps its open session's node
-id next to its ledger and, finding it at the next start, ends that stale session itself
+id in the Flower home and, finding it at the next start, ends that stale session itself
 before it asks to be activated (:class:`SessionMemory`); Flower's SuperLink would otherwise
 refuse it until the old session's heartbeat expires (~60 s).
 
@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import importlib
 import json
 import logging
@@ -161,11 +163,12 @@ class SessionMemory:
             self._end_previous_session()
         outcome = continuation(call_details, request)
         if outcome.exception() is None:
-            if method == "ActivateNode":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.path.write_text(json.dumps({"node-id": outcome.result().node_id}) + "\n")
-            elif method == "DeactivateNode":
-                self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # unwritable: Flower's own wait after a crash
+                if method == "ActivateNode":
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self.path.write_text(json.dumps({"node-id": outcome.result().node_id}))
+                elif method == "DeactivateNode":
+                    self.path.unlink(missing_ok=True)
         return outcome
 
     def _end_previous_session(self) -> None:
@@ -208,16 +211,16 @@ def remember_session(connection: ModuleType, version: str, path: Path) -> bool:
     return True
 
 
-def session_file(flower_arguments: Sequence[str]) -> Path | None:
-    """Where a silo keeps its open session (:class:`SessionMemory`): next to its ledger, the
-    one directory that is the silo's own and lasts (``<ledger-path>.session``)."""
-    from flwr.common.config import parse_config_args
-
-    for flag, value in zip(flower_arguments, flower_arguments[1:], strict=False):
-        if flag == "--node-config":
-            ledger = parse_config_args([value]).get("ledger-path")
-            return Path(f"{ledger}.session") if isinstance(ledger, str) and ledger else None
-    return None
+def session_file(flower_arguments: Sequence[str], flower_home: Path) -> Path | None:
+    """Where a silo keeps its open session (:class:`SessionMemory`): in the Flower home
+    (``$FLWR_HOME``, ``~/.flwr``), one file per SuperLink address and node key; None without
+    a node key (Flower then makes a new key, and a new node, at every start)."""
+    options = dict(zip(flower_arguments, flower_arguments[1:], strict=False))
+    key = options.get("--auth-supernode-private-key")
+    if key is None:
+        return None
+    identity = f"{options.get('--superlink', '')} {Path(key).resolve()}".encode()
+    return flower_home / "dpcfl-sessions" / f"{hashlib.sha256(identity).hexdigest()[:16]}.json"
 
 
 def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK) -> bool:
@@ -275,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     slow_runtime_api_tick(uvicorn.Server)
     connection = importlib.import_module("flwr.client.grpc_rere_client.connection")
     skip_connectivity_watch(connection, flwr.__version__)
-    if (session := session_file(rest)) is not None:
+    from flwr.supercore.utils import get_flwr_home
+
+    if (session := session_file(rest, get_flwr_home())) is not None:
         remember_session(connection, flwr.__version__, session)
     reply_stored = threading.Event()
     shorten_waits(loop, flwr.__version__, options.idle_poll, reply_stored)
