@@ -90,9 +90,6 @@ def _option_entries(help_text: str) -> dict[str, str]:
 
 
 # Commands of other modules whose every option is not described yet (checked for cut names).
-UNDESCRIBED = {("topology", "compose"), ("topology", "silos")}
-
-
 @pytest.mark.parametrize(("path", "command"), _leaf_commands(),
                          ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_help_fits_80_columns_with_every_option_named_in_full_and_described(path, command):
@@ -107,8 +104,7 @@ def test_help_fits_80_columns_with_every_option_named_in_full_and_described(path
         names = [*option.opts, *option.secondary_opts]
         entry = [key for key in entries if set(names) <= set(re.findall(r"-[-\w]+", key))]
         assert len(entry) == 1, f"{' '.join(path)}: {names} not shown in full:\n{shown}"
-        if tuple(path) not in UNDESCRIBED:
-            assert entries[entry[0]], f"{' '.join(path)} {names[0]} has no description"
+        assert entries[entry[0]], f"{' '.join(path)} {names[0]} has no description"
     assert len(entries) == len(options) + 1  # and --help
 
 

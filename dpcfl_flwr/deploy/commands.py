@@ -30,15 +30,9 @@ from ..simulation import _toml_value
 from . import app_pin
 from .certs import make_certificates
 from .compose import ComposeOptions, compose_yaml, silo_files
+from .environment import flower_tool, use_this_environment
 from .runs import StreamWatch, final_status, follow_hint
-from .silo_file import (
-    check_silo,
-    deployed_settings,
-    flower_tool,
-    load_silo_file,
-    supernode_command,
-    use_this_environment,
-)
+from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .superlink import (
     DEFAULT_PULL_HOLD,
     ServerSettings,
@@ -376,8 +370,10 @@ def client(
     device: str = typer.Option(None, "--device", help="cpu (default) or cuda[:i]."),
     rejoin_wait: float = typer.Option(
         180.0, "--rejoin-wait", min=0.0,
-        help="Seconds to keep retrying when the SuperLink refuses activation (after a crash it "
-             "holds the old session until its heartbeat expires, ~60 s); 0: give up at once."),
+        help="Seconds to keep retrying while the SuperLink refuses activation because a node "
+             "with this key is online (a silo restarted after a crash ends its own stale "
+             "session and rejoins in seconds; without its Flower home it waits for the old "
+             "session to expire, ~60 s); 0: give up at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print, start nothing."),
 ) -> None:
     """Launch one silo: a flower-supernode that trains with this silo's own budget, ledger and
@@ -569,8 +565,10 @@ def _die_with_parent() -> None:
 
 @topology_app.command("compose")
 def topology_compose(
-    clusters: str = typer.Option("3,6,6,6", "--clusters"),
-    laptop_clusters: str = typer.Option("1,2,2,2", "--laptop-clusters"),
+    clusters: str = typer.Option("3,6,6,6", "--clusters",
+                                 help="Cluster sizes of the default and gpu profiles' silos."),
+    laptop_clusters: str = typer.Option("1,2,2,2", "--laptop-clusters",
+                                        help="Cluster sizes of the laptop profile's silos."),
     out: Path = typer.Option(None, "--out", help="Write here instead of printing."),
 ) -> None:
     """Generate compose.yaml for a topology (default profile, `gpu` and `laptop` profiles)."""
@@ -591,8 +589,11 @@ def topology_compose(
 def topology_silos(
     clusters: str = typer.Option(None, "--clusters",
                                  help="Default: the run config's (3,6,6,6 without one)."),
-    out: Path = typer.Option(Path("clients"), "--out"),
-    superlink: str = typer.Option("127.0.0.1:9092", "--superlink"),
+    out: Path = typer.Option(Path("clients"), "--out", help="The directory of the silo files."),
+    superlink: str = typer.Option(
+        "127.0.0.1:9092", "--superlink",
+        help="The SuperLink's Fleet API (host:9092 by default) the silos dial, written into "
+             "their files; not the control API (8000) that submit uses."),
     config: Path = typer.Option(
         None, "--config", exists=True, dir_okay=False,
         help="A run config (e.g. examples/quick.toml): each silo gets the budget and the "

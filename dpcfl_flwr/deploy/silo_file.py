@@ -63,7 +63,6 @@ from ..config import (
     parse_run_config,
 )
 from .environment import flower_tool
-from .environment import use_this_environment as use_this_environment  # for commands
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")

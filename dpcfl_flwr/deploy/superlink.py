@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 
-from .silo_file import _check_certificate, flower_tool
+from .environment import flower_tool
+from .silo_file import _check_certificate
 from .superlink_launcher import DEFAULT_PULL_HOLD
 
 
