@@ -73,7 +73,7 @@ def test_a_changed_schedule_in_the_same_run_is_refused(experiment):
         silo.plan(longer)
 
 
-def test_a_second_run_fits_into_what_the_first_left(experiment):
+def test_a_second_run_fits_into_what_the_first_left(experiment, caplog):
     first = _silo(experiment, run_id=1)
     plan = first.plan(_schedule(experiment))
     first.ledger.record([GaussianSteps(plan.noise_multiplier, 1.0, 1, round=1)])
@@ -81,6 +81,8 @@ def test_a_second_run_fits_into_what_the_first_left(experiment):
     second = _silo(experiment, run_id=2)
     later = second.plan(_schedule(experiment))
     assert later.noise_multiplier > plan.noise_multiplier  # less budget left, more noise
+    assert (f"silo 1 starts run 2 with epsilon {first.spent():.4g} of 4 already spent in "
+            f"earlier runs: z={later.noise_multiplier:.4f}") in caplog.text  # and says so
     # Running the whole second schedule on top of the first run stays within the budget.
     whole = [second.round_cost(later, "full", 1, 1)] + [
         second.round_cost(later, 32, r, 1) for r in range(2, 6)] + [
@@ -210,15 +212,3 @@ def test_simulation_fills_only_what_the_node_config_leaves_unset(experiment):
                                   "ledger-path": "l.json"}).resolved(run, trust_run_config=False)
     assert (deployed.samples_per_client, deployed.data_seed, deployed.metrics) == (500, 0,
                                                                                     "private")
-
-
-def test_a_run_that_starts_on_a_spent_ledger_says_so(experiment, caplog):
-    first = _silo(experiment, run_id=1)
-    plan = first.plan(_schedule(experiment))
-    first.ledger.record([GaussianSteps(plan.noise_multiplier, 1.0, 1, round=1)])
-    first.persist()
-    second = _silo(experiment, run_id=2)
-    later = second.plan(_schedule(experiment))
-    spent = first.spent()
-    assert (f"silo 1 starts run 2 with epsilon {spent:.4g} of 4 already spent in earlier runs: "
-            f"z={later.noise_multiplier:.4f}") in caplog.text
