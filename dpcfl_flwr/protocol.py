@@ -17,7 +17,8 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+
+from .flower_compat import array_chunk_size
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -62,7 +63,7 @@ def pack(vector: np.ndarray) -> WireModel:
     """A model's flat vector as messages carry it: bytes while it fits in one of Flower's array
     chunks, Flower's chunked Array in a record of its own above that."""
     data = np.ascontiguousarray(vector, dtype=WIRE_DTYPE)
-    if data.nbytes <= FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE:
+    if data.nbytes <= array_chunk_size():
         return data.tobytes()
     return ArrayRecord({PACKED: Array(data)})
 

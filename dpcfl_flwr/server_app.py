@@ -7,9 +7,9 @@ from pathlib import Path
 
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .config import ConfigError, ExperimentConfig, parse_run_config
+from .flower_compat import in_process_grid
 from .models import build_model
 from .results import RunRecorder
 from .strategies import build_strategy
@@ -53,7 +53,7 @@ def main(grid: Grid, context: Context) -> None:
     except ConfigError as exc:
         logger.error("%s", exc)
         raise SystemExit(f"dpcfl: {exc}") from None
-    simulated = isinstance(grid, InMemoryGrid)
+    simulated = in_process_grid(grid)
     try:
         run_experiment(grid, experiment)
     except RunInterrupted:

@@ -26,7 +26,8 @@ from typing import Any
 
 from .config import ExperimentConfig, parse_run_config
 from .deploy.processes import descendants
-from .engine_tuning import RAY_SYSTEM_CONFIG, signals_left_to_us, woken_dispatch
+from .flower_compat import run_simulation as run_in_engine
+from .flower_compat import signals_left_to_caller
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
 CLIENT_APP = "dpcfl_flwr.client_app:app"
@@ -44,9 +45,22 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Experi
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
         # Accept both a bare table of keys and a pyproject-style [tool.flwr.app.config].
-        raw.update(data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data))
+        raw.update(flat_keys(data.get("tool", {}).get("flwr", {}).get("app", {})
+                             .get("config", data)))
     raw.update(overrides)
     return parse_run_config(raw)
+
+
+def flat_keys(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A TOML table as run-config keys, the way Flower flattens its run config: a method's
+    table ``[rdpcfl]`` with ``n-clusters = 4`` becomes ``rdpcfl.n-clusters = 4``."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -81,36 +95,27 @@ def _toml_value(value: Any) -> str:
 
 def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                    cpus_per_client: float = 1.0, verbose: bool = False) -> None:
-    """Run ``experiment`` with one virtual SuperNode per silo of its topology."""
-    # Flower's private runtime entry point: the public `run_simulation` passes no run config.
-    from flwr.app import Context, RecordDict
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.telemetry import EventType
-
+    """Run ``experiment`` with one virtual SuperNode per silo of its topology (tuned or on
+    stock Flower, as :mod:`dpcfl_flwr.flower_compat`'s gate decides)."""
     from .strategies.exchange import RunInterrupted
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning
     cpus = cpus or os.cpu_count() or 1
-    backend: Any = {
+    backend: dict[str, Any] = {
         "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
         "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False,
                       "logging_level": "DEBUG" if verbose else "ERROR",
-                      "log_to_driver": verbose, "_system_config": RAY_SYSTEM_CONFIG},
+                      "log_to_driver": verbose},
     }
     with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir:
         _write_app_dir(Path(app_dir), experiment)
-        context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
-                          run_config=experiment.to_run_config())
-        with woken_dispatch(), _stopped_by_signals() as received:
-            _run_simulation(
-                num_supernodes=experiment.topology.num_clients,
-                exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-                server_app_attr=SERVER_APP, client_app_attr=CLIENT_APP,
-                backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
-                server_app_context=context, verbose_logging=verbose,
-            )
+        with _stopped_by_signals() as received:
+            run_in_engine(num_supernodes=experiment.topology.num_clients,
+                          server_app=SERVER_APP, client_app=CLIENT_APP,
+                          run_config=experiment.to_run_config(), backend_config=backend,
+                          app_dir=app_dir, verbose=verbose)
     if received:
         name = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
         raise RunInterrupted(f"the run was stopped ({name}) and Ray shut down",
@@ -152,7 +157,7 @@ def _stopped_by_signals() -> Iterator[list[int]]:
     previous = {signum: signal.signal(signum, on_signal)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with signals_left_to_us(), _server_app_ends():
+        with signals_left_to_caller(), _server_app_ends():
             yield received
     finally:
         for signum, handler in previous.items():
@@ -201,4 +206,4 @@ def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
                              **{k.replace("_", "-"): v for k, v in update.items()}})
 
 
-__all__ = ["absolute_paths", "load_config", "parse_override", "run_simulation"]
+__all__ = ["absolute_paths", "flat_keys", "load_config", "parse_override", "run_simulation"]

@@ -25,7 +25,7 @@ from flwr.supercore.run import Run
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from dpcfl_flwr.engine_tuning import FALLBACK_SCAN_SECONDS, wait_for_replies, woken_dispatch
+from dpcfl_flwr.flower_compat.engine import FALLBACK_SCAN_SECONDS, wait_for_replies, woken_dispatch
 
 RUN_ID, TASK_ID = 7, 11
 

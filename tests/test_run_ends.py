@@ -294,7 +294,7 @@ def test_a_stop_request_outlives_only_an_engine_failure():
 def test_ray_leaves_the_sigterm_handler_to_the_simulation():
     import ray._private.utils as ray_utils
 
-    from dpcfl_flwr.engine_tuning import signals_left_to_us
+    from dpcfl_flwr.flower_compat.engine import signals_left_to_us
 
     ours = signal.getsignal(signal.SIGTERM)
     with signals_left_to_us():

@@ -9,7 +9,7 @@ wait backs off while nothing arrives (x1.5 up to 0.5 s) and drops back to 50 ms 
 reply comes in: replies that trickle in are still collected within ~50 ms, and a silent
 stretch costs a poll every half second. In Flower's simulation engine the grid is in the
 same process and a poll costs next to nothing, so there it stays at 50 ms, and the wait ends
-early when the engine stores a reply (``engine_tuning.wait_for_replies``). A round's messages
+early when the engine stores a reply (``flower_compat.wait_for_replies``). A round's messages
 go in one push (one request and one object session instead of one per silo); the grid gives
 each message its id, which maps it back to its silo even when some are refused.
 
@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 
 from flwr.app import Message
 from flwr.serverapp import Grid
-from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-from ..engine_tuning import wait_for_replies
+from ..flower_compat import in_process_grid, wait_for_replies
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def pause(seconds: float) -> None:
 
 def longest_poll(grid: Grid) -> float:
     """How far the wait may grow: polling an in-process grid costs nothing worth saving."""
-    return POLL_SECONDS if isinstance(grid, InMemoryGrid) else MAX_POLL_SECONDS
+    return POLL_SECONDS if in_process_grid(grid) else MAX_POLL_SECONDS
 
 
 def next_poll_delay(previous: float, got_reply: bool, ceiling: float = MAX_POLL_SECONDS

@@ -18,13 +18,15 @@ a round (bench/RESULTS.md, "Where the simulation's overhead goes"):
   ``strategies/exchange.py``), so the round's last reply waited 25 ms on average while both
   workers sat idle. While the woken dispatcher runs, :func:`wait_for_replies` returns as soon
   as the engine stores a reply.
+
+Imported only through :mod:`dpcfl_flwr.flower_compat` once its version gate said yes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from queue import Queue
 from typing import Any
@@ -85,6 +87,44 @@ def wait_for_replies(grid: Any, seconds: float) -> None:
     replied.clear()  # the caller pulls next, so a reply stored from here on is not missed
 
 
+def is_in_memory_grid(grid: Any) -> bool:
+    """Whether ``grid`` is Flower's in-memory grid (the simulation engine's)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
+def flower_array_chunk_size() -> int:
+    """Flower's largest array chunk in bytes (its private constant)."""
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+
+    return int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+
+
+def run_tuned_simulation(*, num_supernodes: int, server_app: str, client_app: str,
+                         run_config: Mapping[str, Any], backend_config: dict[str, Any],
+                         app_dir: str, verbose: bool) -> None:
+    """Flower's private simulation entry point (the public one passes no run config, and no
+    app directory whose ``[tool.flwr.app.config]`` every virtual SuperNode reads), with Ray's
+    inline messages and the woken dispatcher."""
+    from flwr.app import Context, RecordDict
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    backend = {**backend_config, "init_args": {**backend_config.get("init_args", {}),
+                                               "_system_config": RAY_SYSTEM_CONFIG}}
+    context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
+                      run_config=dict(run_config))
+    with woken_dispatch():
+        _run_simulation(
+            num_supernodes=num_supernodes,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+            server_app_attr=server_app, client_app_attr=client_app,
+            backend_name="ray", backend_config=backend, app_dir=app_dir, is_app=True,
+            server_app_context=context, verbose_logging=verbose,
+        )
+
+
 @contextmanager
 def woken_dispatch() -> Iterator[None]:
     """Use :func:`_dispatch_when_stored` as the engine's dispatcher while the block runs."""
@@ -103,7 +143,7 @@ def signals_left_to_us() -> Iterator[None]:
     """Keep ``ray.init`` from replacing the SIGTERM handler of this process while the block
     runs. Ray's raises SystemExit in the main thread, wherever Flower's engine loop is, so
     Flower's worker threads log every running task's ActorDiedError; the caller's handler
-    stops the ServerApp and lets Flower shut Ray down (``simulation.py``)."""
+    stops the ServerApp and lets Flower shut Ray down (``dpcfl_flwr/simulation.py``)."""
     import ray._private.utils as ray_utils
 
     rays_own = ray_utils.set_sigterm_handler
@@ -114,5 +154,5 @@ def signals_left_to_us() -> Iterator[None]:
         ray_utils.set_sigterm_handler = rays_own
 
 
-__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "signals_left_to_us", "wait_for_replies",
-           "woken_dispatch"]
+__all__ = ["INLINE_BYTES", "RAY_SYSTEM_CONFIG", "flower_array_chunk_size", "is_in_memory_grid",
+           "run_tuned_simulation", "signals_left_to_us", "wait_for_replies", "woken_dispatch"]

@@ -1,0 +1,143 @@
+"""The one place that reaches into Flower's non-public modules, behind one version gate.
+
+Everything of Flower this package uses beyond its public API (``flwr.app``, ``flwr.serverapp``,
+``flwr.clientapp``, ``flwr.simulation.run_simulation``) lives in the submodules of this
+package: the simulation engine's latency tuning (:mod:`.engine`), the SuperLink's and the
+SuperNode's launchers with their runtime shortcuts. The rest of ``dpcfl_flwr`` calls only the
+functions of this file, which import a submodule only after the gate said yes.
+
+The gate, decided once when this module is first imported (before any internal import):
+
+- :data:`SUPPORTED_FLOWER` is the Flower release every patch and private import was written
+  against and tested on; the installed release is read from the package metadata
+  (``importlib.metadata.version("flwr")``), not from Flower's own modules.
+- :data:`TUNING` is true when the two match and the operator did not switch the tuning off
+  with the environment variable ``DPCFL_FLOWER_TUNING=0`` (:data:`SWITCH`).
+- Otherwise one warning line (logger ``dpcfl_flwr``, once per process) says the tuning is
+  skipped, nothing internal is imported, and the app runs on stock Flower: a simulation goes
+  through the public ``flwr.simulation.run_simulation`` and polls at a fixed period.
+
+Only latency is ever given up this way. The SuperNode's app pin (a silo refuses a FAB whose
+code is not the installed one) needs Flower's SuperNode internals too; it is not tuning, so
+on another Flower release the silo launcher refuses to start instead of running unpinned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from functools import cache
+from typing import Any
+
+logger = logging.getLogger("dpcfl_flwr")
+
+#: The Flower release the private imports and patches of this package are written for.
+SUPPORTED_FLOWER = "1.39.0"
+#: Set to ``0`` to run on stock Flower even on :data:`SUPPORTED_FLOWER` (e.g. to compare).
+SWITCH = "DPCFL_FLOWER_TUNING"
+#: Flower 1.39's largest array chunk in bytes (``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``: 5 MiB,
+#: overridden by the environment variable of that name), used while the gate is closed.
+FALLBACK_ARRAY_CHUNK_BYTES = 5 * 2**20
+
+
+def installed_flower() -> str | None:
+    """The installed Flower release from its package metadata; None if it is not installed."""
+    try:
+        return importlib.metadata.version("flwr")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gate() -> bool:
+    """Whether the tuning is on; logs one line when it is not."""
+    if os.environ.get(SWITCH, "1").strip() == "0":
+        logger.warning("Flower tuning switched off (%s=0): the app runs on stock Flower", SWITCH)
+        return False
+    installed = installed_flower()
+    if installed != SUPPORTED_FLOWER:
+        logger.warning("Flower %s is installed, the tuning is written for %s: it is skipped "
+                       "and the app runs on stock Flower", installed, SUPPORTED_FLOWER)
+        return False
+    return True
+
+
+#: True when the internal tuning is used (see the module's docstring).
+TUNING = _gate()
+
+
+def in_process_grid(grid: Any) -> bool:
+    """Whether ``grid`` is the simulation engine's in-memory grid (the ServerApp shares its
+    process with the engine, so a poll costs next to nothing), not a deployment's."""
+    if TUNING:
+        from .engine import is_in_memory_grid
+
+        return is_in_memory_grid(grid)
+    return type(grid).__name__ == "InMemoryGrid"
+
+
+def wait_for_replies(grid: Any, seconds: float) -> None:
+    """Wait ``seconds`` (>= 0) for replies on ``grid``; with the tuning on, a simulation's
+    wait ends as soon as the engine stores a reply. Without it: a plain sleep."""
+    if TUNING:
+        from .engine import wait_for_replies as woken_wait
+
+        woken_wait(grid, seconds)
+        return
+    time.sleep(seconds)
+
+
+@cache
+def array_chunk_size() -> int:
+    """The largest array chunk Flower sends in one piece, in bytes: a model up to this size
+    travels as plain bytes (``protocol.pack``). Flower's own constant with the tuning on; with
+    the gate closed the same formula as Flower 1.39's (:data:`FALLBACK_ARRAY_CHUNK_BYTES`)."""
+    if TUNING:
+        from .engine import flower_array_chunk_size
+
+        return flower_array_chunk_size()
+    return int(os.getenv("FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE", str(FALLBACK_ARRAY_CHUNK_BYTES)))
+
+
+@contextlib.contextmanager
+def signals_left_to_caller() -> Iterator[None]:
+    """While the block runs, ``ray.init`` leaves this process's SIGTERM handler alone (tuning
+    on); without the tuning Ray installs its own, and only Ctrl-C stops a simulation cleanly."""
+    if not TUNING:
+        yield
+        return
+    from .engine import signals_left_to_us
+
+    with signals_left_to_us():
+        yield
+
+
+def run_simulation(*, num_supernodes: int, server_app: str, client_app: str,
+                   run_config: Mapping[str, Any], backend_config: dict[str, Any],
+                   app_dir: str, verbose: bool) -> None:
+    """Run the apps (``"module:attr"`` references) in Flower's simulation engine, one virtual
+    SuperNode each of ``num_supernodes``, every app seeing ``run_config`` in its context.
+
+    ``app_dir`` is an app directory whose ``pyproject.toml`` holds the run config; the tuned
+    path runs it through Flower's runtime with the woken dispatcher and Ray's inline
+    messages, the stock path hands the apps to ``flwr.simulation.run_simulation``."""
+    if TUNING:
+        from .engine import run_tuned_simulation
+
+        run_tuned_simulation(num_supernodes=num_supernodes, server_app=server_app,
+                             client_app=client_app, run_config=run_config,
+                             backend_config=backend_config, app_dir=app_dir, verbose=verbose)
+        return
+    from .stock import run_stock_simulation
+
+    run_stock_simulation(num_supernodes=num_supernodes, server_app=server_app,
+                         client_app=client_app, run_config=run_config,
+                         backend_config=backend_config, verbose=verbose)
+
+
+__all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "SUPPORTED_FLOWER", "SWITCH", "TUNING",
+           "array_chunk_size", "in_process_grid", "installed_flower", "run_simulation",
+           "signals_left_to_caller", "wait_for_replies"]
