@@ -228,7 +228,7 @@ def simulate(
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .progress import ProgressFollower, summary_table
     from .simulation import absolute_paths, load_config, parse_override, run_simulation
-    from .strategies.base import TooFewSilos
+    from .strategies import TooFewSilos
     from .strategies.exchange import RunInterrupted
 
     try:
@@ -371,7 +371,7 @@ def _configure_logging(verbose: bool, round_lines: bool = False) -> None:
     if not verbose:
         # The live view already shows every round; keep framework chatter to warnings.
         quiet = ("flwr", "ray", "alembic") + (() if round_lines else
-                                               ("dpcfl_flwr.strategies.base",))
+                                               ("dpcfl_flwr.strategies.strategy",))
         handler.addFilter(lambda record: record.levelno >= logging.WARNING
                           or not record.name.startswith(quiet))
     logging.basicConfig(level=logging.INFO, handlers=[handler], format="%(message)s",

@@ -5,8 +5,9 @@ Every run is its own ``dpcfl simulate`` process with its own results directory
 with a complete ``results.json`` is kept, anything else is cleared and run again (its silos'
 ledgers must start empty, or they would rightly refuse to train a second time).
 
-The config file is a TOML table of run-config keys, plus optional ``[method.<name>]`` tables
-of per-method overrides (the paper tunes learning rate and batch size per method:
+The config file is a TOML table of run-config keys, each method's own parameters in its table
+(``[rdpcfl]``, ``[ifca]``, ...), plus optional ``[method.<name>]`` tables of per-method
+overrides of run-config keys (the paper tunes learning rate and batch size per method:
 docs/experiments.md#training-hyper-parameters).
 """
 
@@ -28,11 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from .config import METHODS, ConfigError, parse_run_config
-from .simulation import _toml_value
+from . import registry
+from .config import ConfigError, parse_run_config
+from .simulation import _toml_value, flat_keys
 
-#: Methods whose results say whether they recovered the cluster structure.
-CLUSTERING_METHODS = ("rdpcfl", "ifca", "km")
+
+def discovers_clusters(method: str) -> bool:
+    """Whether ``method``'s results say if it recovered the cluster structure."""
+    return registry.method_class(method).discovers_clusters
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,12 @@ def load_grid_config(path: str | Path | None) -> tuple[dict[str, Any], dict[str,
     # `method = "..."` is a run-config key (overridden per grid cell); `[method.<name>]` tables
     # hold per-method overrides.
     per_method = data.pop("method") if isinstance(data.get("method"), dict) else {}
-    unknown = sorted(set(per_method) - set(METHODS))
+    names = registry.method_names()
+    unknown = sorted(set(per_method) - set(names))
     if unknown:
-        raise ConfigError(f"{path}: unknown method table(s) {unknown} (methods: {METHODS})")
-    return data, per_method
+        raise ConfigError(f"{path}: unknown method table(s) {unknown} (methods: "
+                          f"{', '.join(names)})")
+    return flat_keys(data), {name: flat_keys(table) for name, table in per_method.items()}
 
 
 GRID_KEYS = ("method", "epsilon", "seed", "out-dir")
@@ -90,9 +96,10 @@ def apply_overrides(base: dict[str, Any], per_method: dict[str, dict[str, Any]],
 
 def plan_grid(methods: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
               out: Path) -> list[GridRun]:
+    names = registry.method_names()
     for method in methods:
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method not in names:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(names)}")
     return [GridRun(m, float(e), int(s), out / m / f"eps{float(e):g}" / f"seed{int(s)}")
             for e in epsilons for s in seeds for m in methods]
 
@@ -175,7 +182,7 @@ def collect(runs: Iterable[GridRun]) -> list[Cell]:
     cells = []
     for (method, epsilon), results in groups.items():
         summaries = [r["summary"] for r in results]
-        clustered = method in CLUSTERING_METHODS
+        clustered = discovers_clusters(method)
         cells.append(Cell(  # a run without a minority (or unknown figures) adds none
             method, epsilon, _known(s.get("mean_accuracy") for s in summaries),
             _known(s.get("minority_accuracy") for s in summaries),
@@ -221,7 +228,7 @@ def markdown(cells: list[Cell], methods: Sequence[str], epsilons: Sequence[float
             for m in methods]
         parts.append(f"**{title}** (mean ± std over seeds)\n\n{header}\n{rule}\n" +
                      "\n".join(rows))
-    detecting = [m for m in methods if m in CLUSTERING_METHODS]
+    detecting = [m for m in methods if discovers_clusters(m)]
     if detecting:
         rows = [f"| {m} | " + " | ".join(
             f"{by[(m, e)].found_structure}/{by[(m, e)].seeds} · "

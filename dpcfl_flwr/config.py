@@ -11,11 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import registry
 from .data import Topology
-
-METHODS = ("rdpcfl", "global", "local", "ifca", "mrmtl", "oracle", "km")
 
 
 class ConfigError(ValueError):
@@ -32,9 +31,14 @@ class _Config(BaseModel):
 
 
 class ExperimentConfig(_Config):
-    """Everything the server proposes for a run (``[tool.flwr.app.config]`` + overrides)."""
+    """Everything the server proposes for a run (``[tool.flwr.app.config]`` + overrides).
 
-    method: Literal["rdpcfl", "global", "local", "ifca", "mrmtl", "oracle", "km"] = "rdpcfl"
+    The keys here are every method's; each method's own parameters are its table
+    (``[rdpcfl]`` in a config file, ``rdpcfl.n-clusters`` in the flat run config), validated
+    by the method's :attr:`~dpcfl_flwr.methods.base.Method.Params` and held in
+    :attr:`methods` (every registered method's, defaults filled in)."""
+
+    method: str = Field("rdpcfl", description="a registered method (dpcfl_flwr.registry)")
     # data: the paper's cluster-structured split (docs/experiments.md)
     dataset: Literal["fmnist", "mnist", "cifar10"] = "fmnist"
     data_dir: str = ""
@@ -51,7 +55,6 @@ class ExperimentConfig(_Config):
     num_server_rounds: int = Field(30, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
-    first_batch: str = "full"
     learning_rate: float = Field(0.005, gt=0.0)
     clip_norm: float = Field(3.0, gt=0.0)
     # privacy: defaults for silos whose node config does not set their own budget
@@ -63,17 +66,8 @@ class ExperimentConfig(_Config):
     # with this noise multiplier on a correct-prediction count and charged (README, Privacy)
     metrics: Literal["exact", "private"] = "exact"
     metrics_noise: float = Field(10.0, gt=0.0, allow_inf_nan=False)
-    select_ratio: float = Field(0.03, gt=0.0, lt=1.0)
-    selection: Literal["window", "every-round"] = "window"
-    select_window: float = Field(0.1, gt=0.0, le=1.0)
-    # clustering (docs/algorithm.md#stage-1-clustering-the-round-1-updates)
-    n_clusters: int = Field(4, ge=0, description="0: choose M by maximum MSS")
-    max_clusters: int = Field(10, ge=2)
-    pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
-    cluster_init: Literal["theta-init", "client0"] = "theta-init"
+    # how a cluster model combines its trainers' updates (docs/algorithm.md#aggregation)
     aggregation: Literal["uniform", "samples"] = "uniform"
-    mrmtl_lambda: float = Field(1.0, ge=0.0)
-    mrmtl_variant: Literal["correct", "authors"] = "correct"
     # running
     eval_every: int = Field(5, ge=1)
     seed: int = 0
@@ -87,6 +81,16 @@ class ExperimentConfig(_Config):
     # after that wait (or once every silo present has answered), fewer silos that can run
     # than this stop the run before any trains
     required_clients: int = Field(0, ge=0, description="0: the fewest the method needs")
+    #: every registered method's parameter table, by method name (see parse_run_config)
+    methods: dict[str, BaseModel] = Field(default_factory=dict, exclude=True)
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        names = registry.method_names()
+        if value not in names:
+            raise ValueError(f"not a registered method; choose from {', '.join(names)}")
+        return value
 
     @field_validator("clusters")
     @classmethod
@@ -94,27 +98,23 @@ class ExperimentConfig(_Config):
         Topology.parse(value)
         return value
 
-    @field_validator("first_batch")
-    @classmethod
-    def _valid_first_batch(cls, value: str) -> str:
-        if value != "full" and not (value.isdigit() and int(value) > 0):
-            raise ValueError("must be 'full' or a positive integer")
-        return value
+    @model_validator(mode="after")
+    def _every_table(self) -> ExperimentConfig:
+        """Methods without a table of their own get their defaults."""
+        missing = {name: cls.Params() for name, cls in registry.methods().items()
+                   if name not in self.methods}
+        if missing:
+            object.__setattr__(self, "methods", {**self.methods, **missing})
+        return self
+
+    @property
+    def params(self) -> BaseModel:
+        """The parameter table of the run's method."""
+        return self.methods[self.method]
 
     @property
     def topology(self) -> Topology:
         return Topology.parse(self.clusters)
-
-    @property
-    def first_round_batch(self) -> int | Literal["full"]:
-        return "full" if self.first_batch == "full" else int(self.first_batch)
-
-    @property
-    def select_rounds(self) -> int:
-        """T_sel: private selections a client reserves budget for (R-DPCFL, IFCA)."""
-        if self.selection == "every-round":
-            return self.num_server_rounds
-        return max(1, int(self.select_window * self.num_server_rounds))
 
     @property
     def expected_clients(self) -> int:
@@ -124,8 +124,13 @@ class ExperimentConfig(_Config):
         return Path(self.ledger_dir) if self.ledger_dir else Path(self.out_dir) / "ledgers"
 
     def to_run_config(self) -> dict[str, Any]:
-        """The flat kebab-case dict Flower expects (inverse of :func:`parse_run_config`)."""
-        return self.model_dump(by_alias=True)
+        """The flat kebab-case dict Flower expects, method tables as ``<method>.<key>``
+        (inverse of :func:`parse_run_config`)."""
+        flat = self.model_dump(by_alias=True)
+        for name, params in self.methods.items():
+            flat.update({f"{name}.{key}": value
+                         for key, value in params.model_dump(by_alias=True).items()})
+        return flat
 
 
 class SiloConfig(_Config):
@@ -224,12 +229,16 @@ _SPLIT_KEYS = ("dataset", "clusters", "shift", "samples_per_client", "val_fracti
 DEPLOYMENT_REQUIRED = ("epsilon", "delta", "ledger_path")
 
 
-def _one_line(error: ValidationError, what: str, model: type[_Config]) -> ConfigError:
+def _one_line(error: ValidationError, what: str, model: type[BaseModel],
+              table: str = "") -> ConfigError:
+    """One line for the first error of ``error``; ``table``: the method table it is from."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "?"
+    key = table + (".".join(str(part) for part in first["loc"]) or "?")
     if first["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(_kebab(name) for name in model.model_fields))
-        return ConfigError(f"{what}: unknown key '{key}' (allowed keys: {allowed})")
+        allowed = ", ".join(sorted(table + (field.alias or _kebab(name))
+                                   for name, field in model.model_fields.items()
+                                   if not field.exclude))
+        return ConfigError(f"{what}: unknown key '{key}' (allowed keys: {allowed or 'none'})")
     if first["type"] == "missing":
         return ConfigError(f"{what}: '{key}' is missing")
     value = first.get("input")
@@ -238,11 +247,44 @@ def _one_line(error: ValidationError, what: str, model: type[_Config]) -> Config
 
 
 def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
-    """Validate Flower's run config; raises :class:`ConfigError` with one line."""
+    """Validate Flower's run config, method tables included (``<method>.<key>``: Flower
+    flattens a TOML table ``[rdpcfl]`` to ``rdpcfl.<key>``); raises :class:`ConfigError`
+    with one line."""
+    base: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    for key, value in raw.items():
+        name, dot, inner = key.partition(".")
+        if dot:
+            tables.setdefault(name, {})[inner] = value
+        else:
+            base[key] = value
+    known = registry.methods()
+    methods = {}
+    for name, table in tables.items():
+        if name not in known:
+            raise ConfigError(f"run config: '{name}.{next(iter(table))}' belongs to no method "
+                              f"(method tables: {', '.join(known)})")
+        params = known[name].Params
+        try:
+            methods[name] = params.model_validate(table)
+        except ValidationError as exc:
+            raise _one_line(exc, "run config", params, f"{name}.") from None
+    for key in base:
+        owners = sorted((name for name, cls in known.items() if _declares(cls.Params, key)),
+                        key=lambda name: name != base.get("method", "rdpcfl"))
+        if key not in ExperimentConfig.model_fields and owners:
+            raise ConfigError(f"run config: '{key}' is a method's parameter: set it in the "
+                              f"method's table, e.g. '{owners[0]}.{key}' (a config file: "
+                              f"'{key}' in table {owners[0]})")
     try:
-        return ExperimentConfig.model_validate(dict(raw))
+        return ExperimentConfig.model_validate({**base, "methods": methods})
     except ValidationError as exc:
         raise _one_line(exc, "run config", ExperimentConfig) from None
+
+
+def _declares(model: type[BaseModel], key: str) -> bool:
+    """Whether ``model`` has a field whose config key is ``key``."""
+    return any(key == (field.alias or _kebab(name)) for name, field in model.model_fields.items())
 
 
 def parse_node_config(raw: Mapping[str, Any]) -> SiloConfig:

@@ -16,17 +16,18 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import Result
 from sklearn.metrics import adjusted_rand_score
 
 from .config import ExperimentConfig
 from .report import plot_accuracy_by_cluster, plot_projection, write_json_atomic
-from .strategies.base import ClusteredStrategy, RoundReport
+from .strategies import ClusteredStrategy, RoundReport
 
 CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused", "dropped",
               "cluster_sizes", "mean_val_accuracy", "mean_test_accuracy",
@@ -61,7 +62,7 @@ def structure_found(truth: dict[int, int], assigned: dict[int, int]
 
 
 class RunRecorder:
-    """A :class:`~dpcfl_flwr.strategies.base.RunObserver` that writes the results directory."""
+    """A :class:`~dpcfl_flwr.strategies.RunObserver` that writes the results directory."""
 
     def __init__(self, out_dir: str | Path, experiment: ExperimentConfig) -> None:
         self.out = Path(out_dir)
@@ -88,11 +89,16 @@ class RunRecorder:
         if report.test_accuracy:
             write_json_atomic(self.out / "results.json", self.results(strategy, complete=False))
 
-    def finish(self, strategy: ClusteredStrategy) -> dict[str, Any]:
+    def finish(self, strategy: ClusteredStrategy, result: Result | None = None
+               ) -> dict[str, Any]:
+        """Write the final results, plots and models. ``result``: what Flower's round loop
+        returned (its arrays are the cluster models); without it the strategy's models."""
         results = self.results(strategy, complete=True)
         write_json_atomic(self.out / "results.json", results)
-        self._save_models(strategy)
-        self._plots(strategy, results)
+        arrays = result.arrays if result is not None and result.arrays is not None \
+            else strategy.cluster_arrays()
+        save_cluster_models(arrays, self.out / "models")
+        redraw_figures(results, self.out)
         self._event({"event": "done", "summary": results["summary"]})
         return results
 
@@ -150,32 +156,31 @@ class RunRecorder:
 
     def _clustering(self, strategy: ClusteredStrategy, truth: dict[int, int],
                     final: dict[int, int]) -> dict[str, Any]:
-        outcome = getattr(strategy, "clustering", None)
         block: dict[str, Any] = {"n_clusters": strategy.n_clusters}
         if truth and strategy.discovers_clusters:
             exact, isolated = structure_found(truth, final)
             block.update({"final_ari": adjusted_rand_score(
                 [truth[p] for p in sorted(truth)], [final[p] for p in sorted(truth)]),
                 "found_structure": exact, "minority_isolated": isolated})
-        if outcome is not None:
-            block.update(asdict(outcome))
+        block.update(strategy.method.results())
+        if "labels" in block and truth:  # the method's own clustering of round-1 updates
             block["ari"] = adjusted_rand_score(
-                [truth[p] for p in outcome.partitions], outcome.labels)
-        extra = getattr(strategy, "results", None)
-        if callable(extra):
-            block.update(extra())
+                [truth[p] for p in block["partitions"]], block["labels"])
         return block
 
-    def _save_models(self, strategy: ClusteredStrategy) -> None:
-        folder = self.out / "models"
-        folder.mkdir(exist_ok=True)
-        for m in range(strategy.n_clusters):
-            state = {k: torch.from_numpy(np.array(v)) for k, v in
-                     strategy.layout.unflatten(strategy.models[m]).items()}
-            torch.save(state, folder / f"cluster-{m}.pt")
-
-    def _plots(self, strategy: ClusteredStrategy, results: dict[str, Any]) -> None:
-        redraw_figures(results, self.out)
+def save_cluster_models(arrays: ArrayRecord, folder: Path) -> list[Path]:
+    """``cluster-<m>.pt`` (a torch state dict) per cluster model of ``arrays``, whose keys are
+    ``cluster-<m>.<tensor name>`` (:meth:`ClusteredStrategy.cluster_arrays`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for key, array in arrays.items():
+        cluster, _, tensor = key.partition(".")
+        states.setdefault(cluster, {})[tensor] = torch.from_numpy(array.numpy().copy())
+    paths = []
+    for cluster, state in states.items():
+        paths.append(folder / f"{cluster}.pt")
+        torch.save(state, paths[-1])
+    return paths
 
 
 def redraw_figures(results: dict[str, Any], out: Path) -> list[Path]:

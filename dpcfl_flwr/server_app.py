@@ -12,9 +12,8 @@ from .config import ConfigError, ExperimentConfig, parse_run_config
 from .flower_compat import in_process_grid
 from .models import build_model
 from .results import RunRecorder
-from .strategies import build_strategy
-from .strategies.base import TooFewSilos
-from .strategies.exchange import RunInterrupted
+from .strategies import TooFewSilos, build_strategy
+from .strategies.exchange import PollingGrid, RunInterrupted
 
 logger = logging.getLogger("dpcfl_flwr")
 
@@ -33,10 +32,12 @@ def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
     recorder = RunRecorder(Path(experiment.out_dir), experiment)
     initial = initial_arrays(experiment)
     strategy = build_strategy(experiment, initial, observer=recorder)
+    grid = PollingGrid(grid)  # Flower's loop, with replies polled every 50-500 ms, not 3 s
     strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients,
                       experiment.required_clients)
-    strategy.start(grid, initial, experiment.num_server_rounds, experiment.round_timeout)
-    results = recorder.finish(strategy)
+    result = strategy.start(grid, initial, experiment.num_server_rounds,
+                            experiment.round_timeout)
+    results = recorder.finish(strategy, result)
     summary = results["summary"]
     minority = summary.get("minority_accuracy")
     logger.info("results in %s: mean accuracy %.4f, minority accuracy %s",

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from .privacy import (
     GaussianSteps,
     PrivacyBudget,
     PrivacyLedger,
+    Schedule,
     Selection,
     accuracy_sensitivity,
     calibrate_noise_multiplier,
@@ -40,7 +41,7 @@ from .privacy import (
     two_stage_schedule,
 )
 from .privacy.metrics import LOSS_BOUND
-from .requests import BadRequest, TrainRequest
+from .requests import BadRequest
 from .training import (
     DPSGDConfig,
     configure_threads,
@@ -56,43 +57,6 @@ logger = logging.getLogger(__name__)
 
 class BudgetExceeded(RuntimeError):
     """The silo refuses a round: running it would spend more than its budget."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The whole DP-SGD schedule the server proposes; the silo calibrates z for it once."""
-
-    rounds: int
-    local_epochs: int
-    batch_size: int
-    first_batch: int | Literal["full"]
-    select_rounds: int
-    select_ratio: float
-    conversion: Literal["classic", "tight"]
-    budget_mode: Literal["split", "joint"]
-    #: evaluate queries the server will send; a silo with private metrics reserves budget
-    #: for them (and refuses more once its budget is spent)
-    evaluations: int = 0
-
-    def to_config(self) -> dict[str, Any]:
-        return {
-            "rounds": self.rounds, "local-epochs": self.local_epochs,
-            "batch-size": self.batch_size, "first-batch": str(self.first_batch),
-            "select-rounds": self.select_rounds, "select-ratio": self.select_ratio,
-            "conversion": self.conversion, "budget-mode": self.budget_mode,
-            "evaluations": self.evaluations,
-        }
-
-    @classmethod
-    def from_request(cls, request: TrainRequest) -> Schedule:
-        first = request.first_batch
-        return cls(request.rounds, request.local_epochs, request.batch_size,
-                   "full" if first == "full" else int(first), request.select_rounds,
-                   request.select_ratio, request.conversion, request.budget_mode,
-                   request.evaluations)
-
-    def key(self) -> str:
-        return repr(sorted(self.to_config().items()))
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ def _server_app_ends() -> Iterator[None]:
     waits for it before exiting: ask it to stop. After a run that ended by the ServerApp's
     return or exception the request is withdrawn (a later run or strategy in this process
     must not find it)."""
-    from .strategies.base import TooFewSilos
+    from .strategies import TooFewSilos
     from .strategies.exchange import stop_requested
 
     try:

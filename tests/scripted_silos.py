@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message, MetricRecord, RecordDict
 
+from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import (
     ARRAYS,
     METRICS,
@@ -19,7 +20,6 @@ from dpcfl_flwr.protocol import (
     one_record,
     pack,
 )
-from dpcfl_flwr.strategies.base import INITIAL
 
 TRUTH = [0, 0, 1, 1, 1, 2, 2, 2]  # topology {2, 3, 3}
 NODE = 1000  # node ids are 1000 + partition, to keep them apart from partitions

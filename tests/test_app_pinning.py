@@ -23,7 +23,7 @@ from dpcfl_flwr.deploy.localhost import FLWR, LocalDeployment, free_port
 from dpcfl_flwr.privacy import PrivacyLedger
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = {"n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
+SMALL = {"rdpcfl.n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
 SPLIT = ["--samples-per-client", "64", "--test-samples", "40"]  # the silos' own, as the run's
 MARKER = "tampered-code-ran"
 # What the server's FAB adds to client_app.py: it stops the ledger from recording anything, and

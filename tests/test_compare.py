@@ -22,11 +22,13 @@ from dpcfl_flwr.compare import (
 from dpcfl_flwr.config import ConfigError
 
 TINY = """clusters = "2,2"
-n-clusters = 2
 samples-per-client = 64
 num-server-rounds = 2
 test-samples = 40
 eval-every = 2
+
+[rdpcfl]
+n-clusters = 2
 
 [method.local]
 learning-rate = 0.01

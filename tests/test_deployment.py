@@ -30,7 +30,7 @@ from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
 
 REPO = Path(__file__).resolve().parents[1]
 SILOS = 4
-SMALL = {"n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
+SMALL = {"rdpcfl.n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
 SPLIT = ["--samples-per-client", "64", "--test-samples", "40"]  # each silo's own, as the run's
 
 

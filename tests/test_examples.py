@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from dpcfl_flwr import registry
 from dpcfl_flwr.compare import load_grid_config
-from dpcfl_flwr.config import METHODS, parse_run_config
+from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.simulation import flat_keys
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 
@@ -15,7 +17,7 @@ EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_config_is_valid_for_every_method(path):
     base, per_method = load_grid_config(path)
-    for method in METHODS:
+    for method in registry.method_names():
         config = {**base, **per_method.get(method, {}), "method": method}
         parse_run_config(config)
 
@@ -35,4 +37,4 @@ def test_the_apps_run_config_declares_every_key_with_its_default():
 
     pyproject = Path(__file__).parents[1] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
-    assert declared == ExperimentConfig().to_run_config()
+    assert flat_keys(declared) == ExperimentConfig().to_run_config()

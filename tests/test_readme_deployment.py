@@ -32,8 +32,9 @@ from dpcfl_flwr.deploy.processes import descendants
 REPO = Path(__file__).resolve().parents[1]
 SILOS = 4
 SMALL_SILO = ["--clusters", "2,2", "--samples-per-client", "64", "--test-samples", "40"]
-SMALL_RUN = ['clusters="2,2"', f"min-clients={SILOS}", "n-clusters=2", "samples-per-client=64",
-             "test-samples=40", "num-server-rounds=3", "eval-every=3", "wait-for-clients=300.0"]
+SMALL_RUN = ['clusters="2,2"', f"min-clients={SILOS}", "rdpcfl.n-clusters=2",
+             "samples-per-client=64", "test-samples=40", "num-server-rounds=3", "eval-every=3",
+             "wait-for-clients=300.0"]
 
 
 def readme_commands() -> list[list[str]]:

@@ -27,7 +27,7 @@ from dpcfl_flwr.deploy.localhost import LocalDeployment, free_port
 
 DPCFL = [sys.executable, "-m", "dpcfl_flwr.cli"]
 REPO = Path(__file__).resolve().parents[1]
-TINY = {"clusters": '"1,2"', "n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
+TINY = {"clusters": '"1,2"', "rdpcfl.n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
 SILOS = 3
 ENDS_WITHIN = 10.0  # s from Ctrl-C to exit: about 3 s here, 5 s at most before a kill
 
@@ -275,7 +275,7 @@ def test_a_stop_request_outlives_only_an_engine_failure():
     this process; after a failure of the engine itself, a ServerApp thread still running is
     asked to stop (the interpreter would wait for it)."""
     from dpcfl_flwr.simulation import _server_app_ends
-    from dpcfl_flwr.strategies.base import TooFewSilos
+    from dpcfl_flwr.strategies import TooFewSilos
     from dpcfl_flwr.strategies.exchange import stop_requested
 
     try:

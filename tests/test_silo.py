@@ -10,6 +10,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
 from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.methods.base import ServerState
+from dpcfl_flwr.methods.rdpcfl import RDPCFL
 from dpcfl_flwr.privacy import GaussianSteps, PrivacyLedger, Selection
 from dpcfl_flwr.protocol import (
     ARRAYS,
@@ -33,14 +35,14 @@ N = 80
 @pytest.fixture()
 def experiment(tmp_path):
     return parse_run_config({"clusters": "1,1", "samples-per-client": N, "test-samples": 40,
-                             "num-server-rounds": 5, "epsilon": 4.0, "select-window": 0.4,
+                             "num-server-rounds": 5, "epsilon": 4.0, "rdpcfl.select-window": 0.4,
                              "out-dir": str(tmp_path / "run")})
 
 
 def _schedule(experiment) -> Schedule:
-    e = experiment
-    return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size, e.first_round_batch,
-                    e.select_rounds, e.select_ratio, e.conversion, e.budget_mode)
+    """R-DPCFL's schedule for ``experiment``, as its method proposes it."""
+    state = ServerState(np.zeros(1, np.float32))
+    return RDPCFL(experiment, experiment.methods["rdpcfl"], state).schedule()
 
 
 def _silo(experiment, run_id=7, partition=1, **node):

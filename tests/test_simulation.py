@@ -22,8 +22,9 @@ from dpcfl_flwr.simulation import run_simulation
 
 ROUNDS = 8
 SHRUNK = {
-    "clusters": "2,3,3", "n-clusters": 3, "samples-per-client": 400, "num-server-rounds": ROUNDS,
-    "test-samples": 300, "eval-every": 4, "select-window": 0.25, "epsilon": 10.0,
+    "clusters": "2,3,3", "rdpcfl.n-clusters": 3, "samples-per-client": 400,
+    "num-server-rounds": ROUNDS,
+    "test-samples": 300, "eval-every": 4, "rdpcfl.select-window": 0.25, "epsilon": 10.0,
 }
 EXHAUSTED = 4  # a majority silo: the run must go on without it
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config import ConfigError, parse_run_config
+from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
     ANCHOR,
@@ -26,7 +27,6 @@ from dpcfl_flwr.protocol import (
 )
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
-from dpcfl_flwr.strategies.base import INITIAL
 from dpcfl_flwr.training import DPSGDConfig, train_dp
 
 from .grid_double import GridDouble
@@ -37,8 +37,10 @@ ROUNDS = 6
 
 def _run(method: str, make_silo=ScriptedSilo, **extra):
     experiment = parse_run_config({
-        "method": method, "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": ROUNDS,
-        "select-window": 0.34, "eval-every": 3, "out-dir": "unused", **extra})
+        "method": method, "clusters": "2,3,3", "num-server-rounds": ROUNDS,
+        **{f"{m}.n-clusters": 3 for m in ("rdpcfl", "ifca", "km")},
+        **{f"{m}.select-window": 0.34 for m in ("rdpcfl", "ifca")},
+        "eval-every": 3, "out-dir": "unused", **extra})
     initial = initial_arrays(experiment)
     strategy = build_strategy(experiment, initial)
     layout = ModelLayout.of(initial)
@@ -121,7 +123,7 @@ def test_mrmtl_sends_each_silo_its_model_and_the_mean_anchor(server_task_identit
             assert int(message.content.config_records["config"]["cluster"]) == partition
             assert message.content.config_records["config"]["prox-lambda"] == 1.0
     # Silo p's model moved +1 per round on its coordinate; the anchor is their mean.
-    np.testing.assert_allclose(strategy.anchor()[:3] - strategy.initial[:3],
+    np.testing.assert_allclose(strategy.method.anchor()[:3] - strategy.initial[:3],
                                np.bincount(TRUTH, minlength=3) / len(TRUTH) * ROUNDS, rtol=1e-5)
 
 
@@ -141,13 +143,13 @@ def test_ifca_draws_round_one_then_selects_for_t_sel_rounds_and_freezes(server_t
             assert (config["select-rounds"], config["first-batch"]) == (t_sel, "32")
     for server_round in range(2 + t_sel, ROUNDS + 1):
         for partition, config in _configs(grid, server_round).items():
-            assert int(config["cluster"]) == strategy.choice[partition]
+            assert int(config["cluster"]) == strategy.method.choice[partition]
 
 
 def test_km_regroups_silos_by_k_means_on_their_updates(server_task_identity):
     strategy, grid, _ = _run("km")
     assert all(int(c["cluster"]) == INITIAL for c in _configs(grid, 1).values())
-    labels = strategy.labels
+    labels = strategy.method.labels
     for a in range(len(TRUTH)):
         for b in range(len(TRUTH)):
             assert (labels[a] == labels[b]) == (TRUTH[a] == TRUTH[b])
@@ -160,9 +162,9 @@ def test_km_regroups_silos_by_k_means_on_their_updates(server_task_identity):
 
 def test_ifca_and_km_need_the_number_of_clusters():
     for method in ("ifca", "km"):
-        experiment = parse_run_config({"method": method, "n-clusters": 0, "out-dir": "x"})
-        with pytest.raises(ValueError, match="needs the number of clusters"):
-            build_strategy(experiment, initial_arrays(experiment))
+        with pytest.raises(ConfigError,
+                           match=f"'{method}.n-clusters' = 0 is invalid: .* equal to 2"):
+            parse_run_config({"method": method, f"{method}.n-clusters": 0, "out-dir": "x"})
 
 
 # --- MR-MTL's regulariser ------------------------------------------------------------------------

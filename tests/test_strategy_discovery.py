@@ -16,8 +16,7 @@ from dpcfl_flwr.progress import describe_round, summary_table
 from dpcfl_flwr.protocol import METRICS, SILO_FAILED, ModelLayout, one_record
 from dpcfl_flwr.results import RunRecorder
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.strategies import base, build_strategy
-from dpcfl_flwr.strategies.base import TooFewSilos
+from dpcfl_flwr.strategies import TooFewSilos, build_strategy, silos
 from dpcfl_flwr.strategies.exchange import RunInterrupted, exchange, stop_requested
 
 from .grid_double import GridDouble
@@ -41,7 +40,8 @@ class SiloThatCannotStart(ScriptedSilo):
 
 def _setup(broken: set[int], method: str = "global", **extra):
     experiment = parse_run_config({
-        "method": method, "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": 3,
+        "method": method, "clusters": "2,3,3", "num-server-rounds": 3,
+        **{f"{m}.n-clusters": 3 for m in ("rdpcfl", "ifca", "km")},
         "eval-every": 3, "out-dir": "unused", **extra})
     initial = initial_arrays(experiment)
     strategy = build_strategy(experiment, initial)
@@ -83,7 +83,7 @@ def test_a_silo_that_cannot_start_is_named_once_and_asked_again_only_now_and_the
     assert len(grid.of_type("query")) == len(TRUTH)  # not re-asked every round
     # After RETRY_FAILED_SECONDS the failed nodes are asked again; the same reason is not
     # logged again, a new one is.
-    monkeypatch.setattr(base, "RETRY_FAILED_SECONDS", 0.0)
+    monkeypatch.setattr(silos, "RETRY_FAILED_SECONDS", 0.0)
     strategy.refresh_silos(grid)
     assert len(grid.of_type("query")) == len(TRUTH) + 2 and len(_cannot_start(caplog)) == 2
     grid.responders[NODE + 5].reason = "DataError: another problem"

@@ -9,10 +9,10 @@ import pytest
 from flwr.app import Message
 
 from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import ARRAYS, SELECT, ModelLayout, cluster_key, model_records
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.strategies import RDPCFL
-from dpcfl_flwr.strategies.base import INITIAL
+from dpcfl_flwr.strategies import ClusteredStrategy
 
 from .grid_double import GridDouble
 from .scripted_silos import NODE, TRUTH, ScriptedSilo
@@ -21,10 +21,11 @@ from .scripted_silos import NODE, TRUTH, ScriptedSilo
 @pytest.fixture()
 def run(server_task_identity):
     experiment = parse_run_config({
-        "clusters": "2,3,3", "n-clusters": 3, "num-server-rounds": 10, "select-window": 0.2,
+        "clusters": "2,3,3", "rdpcfl.n-clusters": 3, "num-server-rounds": 10,
+        "rdpcfl.select-window": 0.2,
         "eval-every": 3, "out-dir": "unused"})
     initial = initial_arrays(experiment)
-    strategy = RDPCFL(experiment, initial)
+    strategy = ClusteredStrategy(experiment, initial)
     layout = ModelLayout.of(initial)
     centres = np.random.default_rng(0).normal(0, 1, (3, layout.size)).astype(np.float32)
     grid = GridDouble({NODE + p: ScriptedSilo(p, layout, centres) for p in range(len(TRUTH))})
@@ -48,19 +49,20 @@ def test_round_one_sends_theta_init_with_full_batch_and_clusters_exactly(run):
             "clustering", "full", INITIAL)
         np.testing.assert_array_equal(layout.flatten(model_records(message.content)[ARRAYS]),
                                       strategy.initial)
-    outcome = strategy.clustering
+    outcome = strategy.method.clustering
     labels = dict(zip(outcome.partitions, outcome.labels, strict=True))
     # Same true cluster <=> same GMM label: the exact partition.
     for a in range(len(TRUTH)):
         for b in range(len(TRUTH)):
             assert (labels[a] == labels[b]) == (TRUTH[a] == TRUTH[b])
     assert outcome.mss > 3
-    assert strategy.switch == math.floor((1 - outcome.mpo) * 10 / 2) == 5
+    assert strategy.method.switch == math.floor((1 - outcome.mpo) * 10 / 2) == 5
 
 
 def test_soft_stage_sends_each_silo_the_model_of_its_gmm_cluster(run):
     strategy, grid, layout = run
-    labels = dict(zip(strategy.clustering.partitions, strategy.clustering.labels, strict=True))
+    outcome = strategy.method.clustering
+    labels = dict(zip(outcome.partitions, outcome.labels, strict=True))
     for server_round in range(2, 6):
         for partition, message in _train_messages(grid, server_round).items():
             config = message.content.config_records["config"]
@@ -90,16 +92,18 @@ def test_select_window_sends_all_models_and_then_freezes_the_choice(run):
         for partition, message in _train_messages(grid, server_round).items():
             config = message.content.config_records["config"]
             assert config["stage"] == "frozen"
-            assert int(config["cluster"]) == strategy.choice[partition]
+            assert int(config["cluster"]) == strategy.method.choice[partition]
     # Every silo picked the model its own kind trained: the choices are the true partition.
     for a in range(len(TRUTH)):
         for b in range(len(TRUTH)):
-            assert (strategy.choice[a] == strategy.choice[b]) == (TRUTH[a] == TRUTH[b])
+            choice = strategy.method.choice
+            assert (choice[a] == choice[b]) == (TRUTH[a] == TRUTH[b])
 
 
 def test_cluster_models_are_uniform_means_of_their_members_updates(run):
     strategy, grid, layout = run
-    labels = dict(zip(strategy.clustering.partitions, strategy.clustering.labels, strict=True))
+    outcome = strategy.method.clustering
+    labels = dict(zip(outcome.partitions, outcome.labels, strict=True))
     # Each member of a cluster pushes +1 on its own coordinate every round from round 2 on;
     # uniform averaging gives +1 per round on that coordinate, for 9 rounds.
     for partition, label in labels.items():

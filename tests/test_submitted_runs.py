@@ -12,10 +12,10 @@ STREAM = """\
 Using SuperLink: dpcfl-submit (127.0.0.1:8000)
 \x1b[32mSuccessfully started run 742349896378720516\x1b[0m
 \x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process
-ERROR dpcfl_flwr.strategies.base: round 3: silo 2 failed (code 4002): it went away
+ERROR dpcfl_flwr.strategies.strategy: round 3: silo 2 failed (code 4002): it went away
 ERROR dpcfl_flwr: 0 of 3 silos can run (3 did not connect within 2 s); at least 1 needed
 \x1b[91mERROR \x1b[0m:     ServerApp raised an exception
-dpcfl_flwr.strategies.base.TooFewSilos: 0 of 3 silos can run (3 did not connect within 2 s)
+dpcfl_flwr.strategies.silos.TooFewSilos: 0 of 3 silos can run (3 did not connect within 2 s)
 \x1b[91mERROR \x1b[0m:     Exit Code: 201
 """
 TOO_FEW = "0 of 3 silos can run (3 did not connect within 2 s); at least 1 needed"

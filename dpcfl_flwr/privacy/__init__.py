@@ -8,6 +8,7 @@ from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .schedule import (
     FULL_BATCH,
     GaussianPhase,
+    Schedule,
     round_phase,
     single_stage_schedule,
     steps_per_round,
@@ -22,7 +23,8 @@ from .selection import (
 
 __all__ = [
     "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "GaussianPhase",
-    "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Selection",
+    "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Schedule",
+    "Selection",
     "accuracy_sensitivity", "calibrate_noise_multiplier", "ledger_lock",
     "metric_release_cost", "noisy_evaluation", "plan_noise", "rdp_to_dp",
     "round_phase", "schedule_epsilon", "select_cluster", "selection_probabilities",

@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from .rdp import DEFAULT_ORDERS, sgm_rdp
+
+if TYPE_CHECKING:
+    from ..requests import TrainRequest
 
 FULL_BATCH = "full"
 
@@ -88,3 +92,43 @@ def schedule_rdp(
     for phase in phases:
         total = total + phase.rdp(noise_multiplier, orders)
     return total
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The whole DP-SGD schedule the server proposes; the silo calibrates z for it once.
+
+    Sizes are counts (rounds, epochs, records per batch, selections); ``select_ratio`` is the
+    share of the budget each private selection spends (docs/privacy.md)."""
+
+    rounds: int
+    local_epochs: int
+    batch_size: int
+    first_batch: int | Literal["full"]
+    select_rounds: int
+    select_ratio: float
+    conversion: Literal["classic", "tight"]
+    budget_mode: Literal["split", "joint"]
+    #: evaluate queries the server will send; a silo with private metrics reserves budget
+    #: for them (and refuses more once its budget is spent)
+    evaluations: int = 0
+
+    def to_config(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds, "local-epochs": self.local_epochs,
+            "batch-size": self.batch_size, "first-batch": str(self.first_batch),
+            "select-rounds": self.select_rounds, "select-ratio": self.select_ratio,
+            "conversion": self.conversion, "budget-mode": self.budget_mode,
+            "evaluations": self.evaluations,
+        }
+
+    @classmethod
+    def from_request(cls, request: TrainRequest) -> Schedule:
+        first = request.first_batch
+        return cls(request.rounds, request.local_epochs, request.batch_size,
+                   "full" if first == "full" else int(first), request.select_rounds,
+                   request.select_ratio, request.conversion, request.budget_mode,
+                   request.evaluations)
+
+    def key(self) -> str:
+        return repr(sorted(self.to_config().items()))

@@ -1,5 +1,9 @@
 """Moving a round's messages through Flower's Grid: push, then poll for the replies.
 
+:class:`PollingGrid` wraps the run's grid (public ``Grid`` API only) so that Flower's own
+round loop (``Strategy.start``, whose ``send_and_receive`` calls land here) gets the fast
+polling described below instead of Flower's fixed 3 s wait.
+
 Flower 1.39's ``Grid.send_and_receive`` sleeps 3 s between polls over the SuperLink's HTTP
 runtime API, so every round it drives costs at least 3 s; polling ``pull_messages`` every
 50 ms gave ~0.1 s of framework latency per round for 21 clients. But over a deployment each
@@ -24,8 +28,9 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -125,3 +130,43 @@ def exchange(
     result.missing.extend(pending.values())
     result.seconds = time.monotonic() - started
     return result
+
+
+class PollingGrid(Grid):
+    """The run's grid, whose ``send_and_receive`` pushes a round's messages at once and polls
+    with back-off (:func:`exchange`). Everything else is the wrapped grid's.
+
+    ``grid``: the grid Flower gave the ServerApp (simulation's in-memory grid or the
+    SuperLink's)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        """The replies that arrived within ``timeout`` s (None: an hour); a message that got
+        no reply in time has none in the list, as with Flower's own grids."""
+        keyed = dict(enumerate(messages))
+        if not keyed:
+            return []
+        done = exchange(self.grid, keyed, 3600.0 if timeout is None else timeout)
+        return list(done.replies.values())

@@ -7,24 +7,26 @@ schedule at eps_total, no selection. Unlike the authors' code, round 1 is traine
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord
-
 from ..config import ExperimentConfig
-from .base import ClusteredStrategy, RunObserver
+from ..registry import register
+from .base import Method, MethodParams, ServerState
 
 
-class OracleDPCFL(ClusteredStrategy):
+@register
+class OracleDPCFL(Method):
     name = "oracle"
+    title = "O-DPCFL: clustered DP-FL told the true clusters (evaluation only)"
 
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        super().__init__(experiment, initial, experiment.topology.num_clusters, observer)
+    def __init__(self, experiment: ExperimentConfig, params: MethodParams,
+                 state: ServerState) -> None:
+        super().__init__(experiment, params, state)
+        state.reset_models(experiment.topology.num_clusters)
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return {p: self.current_cluster(p) for p in partitions}
 
     def current_cluster(self, partition: int) -> int:
-        cluster = self.silos[partition].true_cluster
+        cluster = self.state.silos[partition].true_cluster
         if not 0 <= cluster < self.n_clusters:
             raise ValueError(f"silo {partition} reports true cluster {cluster}, outside "
                              f"0..{self.n_clusters - 1}: the oracle needs every silo's label")

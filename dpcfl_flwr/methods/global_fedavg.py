@@ -8,18 +8,20 @@ server averages their updates with uniform weights.
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord
-
 from ..config import ExperimentConfig
-from .base import ClusteredStrategy, RunObserver
+from ..registry import register
+from .base import Method, MethodParams, ServerState
 
 
-class GlobalDPFedAvg(ClusteredStrategy):
+@register
+class GlobalDPFedAvg(Method):
     name = "global"
+    title = "DP-FedAvg: one model for every silo"
 
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        super().__init__(experiment, initial, 1, observer)
+    def __init__(self, experiment: ExperimentConfig, params: MethodParams,
+                 state: ServerState) -> None:
+        super().__init__(experiment, params, state)
+        state.reset_models(1)
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return dict.fromkeys(partitions, 0)

@@ -9,33 +9,38 @@ members' trained models. Single-stage schedule at eps_total; needs M.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
-from flwr.app import ArrayRecord
+from pydantic import Field
 from sklearn.cluster import KMeans
 
 from ..config import ExperimentConfig
-from .base import INITIAL, ClusteredStrategy, RunObserver, TrainReply
+from ..registry import register
+from .base import INITIAL, Method, MethodParams, ServerState, TrainReply
 
 
-class KMeansCFL(ClusteredStrategy):
+class KMeansParams(MethodParams):
+    """``[km]``: KM-CDPFL's parameters; it must be told M."""
+
+    n_clusters: int = Field(4, ge=2, description="M, the number of k-means centres")
+
+
+@register
+class KMeansCFL(Method):
     name = "km"
+    title = "KM-CDPFL: k-means on every round's DP updates"
+    Params = KMeansParams
     discovers_clusters = True
+    params: KMeansParams
 
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        if experiment.n_clusters < 2:
-            raise ValueError("km needs the number of clusters: set n-clusters >= 2")
-        super().__init__(experiment, initial, experiment.n_clusters, observer)
+    def __init__(self, experiment: ExperimentConfig, params: KMeansParams,
+                 state: ServerState) -> None:
+        super().__init__(experiment, params, state)
+        state.reset_models(params.n_clusters)
         self.labels: dict[int, int] = {}
 
     def silos_needed(self) -> int:
         """k-means with M centres needs at least M updates."""
         return self.n_clusters
-
-    def round_batch(self, server_round: int) -> int | Literal["full"]:
-        return self.experiment.batch_size
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return {p: self.labels.get(p, INITIAL) for p in partitions}
@@ -49,8 +54,9 @@ class KMeansCFL(ClusteredStrategy):
             return  # too few updates to cluster this round: keep assignments and models
         partitions = sorted(updates)
         matrix = np.stack([updates[p] for p in partitions])
-        starts = np.stack([self.initial if replies[p].cluster == INITIAL
-                           else self.models[replies[p].cluster] for p in partitions])
+        models = self.state.models
+        starts = np.stack([self.state.initial if replies[p].cluster == INITIAL
+                           else models[replies[p].cluster] for p in partitions])
         labels = KMeans(self.n_clusters, init="k-means++", n_init=1,
                         random_state=self.experiment.seed * 100_003 + server_round
                         ).fit(matrix).labels_
@@ -59,4 +65,4 @@ class KMeansCFL(ClusteredStrategy):
             self.labels[partition] = int(labels[index])
         for m in range(self.n_clusters):
             if np.any(labels == m):
-                self.models[m] = trained[labels == m].mean(axis=0).astype(np.float32)
+                models[m] = trained[labels == m].mean(axis=0).astype(np.float32)

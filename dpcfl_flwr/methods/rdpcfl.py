@@ -13,19 +13,41 @@ E_c+1..E_c+T_sel, and keep their last choice afterwards.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
-from flwr.app import ArrayRecord
+from pydantic import Field, field_validator
 
 from ..clustering import UpdateClusterer, switch_round
 from ..config import ExperimentConfig
+from ..privacy.schedule import Schedule
 from ..protocol import SELECT
-from ..silo import Schedule
-from .base import INITIAL, ClusteredStrategy, RunObserver, TrainReply
+from ..registry import register
+from .base import INITIAL, Method, SelectionParams, ServerState, TrainReply
 
 logger = logging.getLogger(__name__)
+
+
+class RDPCFLParams(SelectionParams):
+    """``[rdpcfl]``: R-DPCFL's own parameters (docs/algorithm.md#hyper-parameters-and-defaults)."""
+
+    n_clusters: int = Field(4, ge=0, description="M; 0: chosen by maximum MSS")
+    max_clusters: int = Field(10, ge=2, description="largest M tried when n-clusters = 0")
+    pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
+    cluster_init: Literal["theta-init", "client0"] = "theta-init"
+    first_batch: str = Field("full", description="round 1's batch: 'full' or a record count")
+
+    @field_validator("first_batch")
+    @classmethod
+    def _valid_first_batch(cls, value: str) -> str:
+        if value != "full" and not (value.isdigit() and int(value) > 0):
+            raise ValueError("must be 'full' or a positive integer")
+        return value
+
+    @property
+    def first_round_batch(self) -> int | Literal["full"]:
+        return "full" if self.first_batch == "full" else int(self.first_batch)
 
 
 @dataclass
@@ -48,16 +70,20 @@ class ClusteringOutcome:
     candidate_mss: dict[int, float]
 
 
-class RDPCFL(ClusteredStrategy):
+@register
+class RDPCFL(Method):
     """The server side of R-DPCFL; silos do DP-SGD and their own private selection."""
 
     name = "rdpcfl"
+    title = "R-DPCFL: cluster by round-1 gradients, then by losses (the paper's method)"
+    Params = RDPCFLParams
     discovers_clusters = True
+    params: RDPCFLParams
 
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        m = experiment.n_clusters or experiment.max_clusters
-        super().__init__(experiment, initial, m, observer)
+    def __init__(self, experiment: ExperimentConfig, params: RDPCFLParams,
+                 state: ServerState) -> None:
+        super().__init__(experiment, params, state)
+        state.reset_models(self.params.n_clusters or self.params.max_clusters)
         self.pi: dict[int, np.ndarray] = {}
         self.choice: dict[int, int] = {}
         self.clustering: ClusteringOutcome | None = None
@@ -65,18 +91,19 @@ class RDPCFL(ClusteredStrategy):
 
     # --- schedule ---------------------------------------------------------------------------
     def schedule(self) -> Schedule:
-        e = self.experiment
+        e, p = self.experiment, self.params
         return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size,
-                        e.first_round_batch, e.select_rounds, e.select_ratio, e.conversion,
-                        e.budget_mode)
+                        p.first_round_batch, p.select_rounds(e.num_server_rounds),
+                        p.select_ratio, e.conversion, e.budget_mode)
 
     def select_window(self) -> range:
         """Rounds with private selection: E_c+1 .. E_c+T_sel (exactly T_sel run and charged,
         docs/algorithm.md#stage-3-private-cluster-selection), or every round after E_c."""
         last = self.experiment.num_server_rounds
-        if self.experiment.selection == "every-round":
+        if self.params.selection == "every-round":
             return range(self.switch + 1, last + 1)
-        return range(self.switch + 1, min(self.switch + self.experiment.select_rounds, last) + 1)
+        return range(self.switch + 1,
+                     min(self.switch + self.params.select_rounds(last), last) + 1)
 
     def stage(self, server_round: int) -> str:
         if server_round == 1:
@@ -89,7 +116,7 @@ class RDPCFL(ClusteredStrategy):
 
     def round_batch(self, server_round: int) -> int | Literal["full"]:
         if server_round == 1:
-            return self.experiment.first_round_batch
+            return self.params.first_round_batch
         return self.experiment.batch_size
 
     # --- decisions --------------------------------------------------------------------------
@@ -129,19 +156,18 @@ class RDPCFL(ClusteredStrategy):
     def silos_needed(self) -> int:
         """Round 1 clusters the silos' updates: a GMM with M components on M - 1 axes needs
         M + 1 of them, and choosing M by MSS at least 3."""
-        return max(3, self.experiment.n_clusters + 1)
+        return max(3, self.params.n_clusters + 1)
 
     def _cluster_round_one(self, replies: dict[int, TrainReply]) -> None:
         updates = {p: r.update for p, r in replies.items() if r.update is not None}
         partitions = sorted(updates)
         if len(partitions) < 3:
             raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
-        e = self.experiment
-        candidates = range(2, min(e.max_clusters, len(partitions) - 1) + 1)
-        fitted = UpdateClusterer(e.n_clusters or None, candidates, random_state=e.seed,
-                                 n_components=e.pca_components or None).fit(
+        e, p = self.experiment, self.params
+        candidates = range(2, min(p.max_clusters, len(partitions) - 1) + 1)
+        fitted = UpdateClusterer(p.n_clusters or None, candidates, random_state=e.seed,
+                                 n_components=p.pca_components or None).fit(
             np.stack([updates[p] for p in partitions]))
-        self.n_clusters = fitted.n_clusters_
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
         self.switch = switch_round(fitted.mpo_, e.num_server_rounds)
         self.clustering = ClusteringOutcome(
@@ -149,18 +175,20 @@ class RDPCFL(ClusteredStrategy):
             fitted.n_iter_, fitted.converged_, fitted.labels_.tolist(),
             fitted.responsibilities_.tolist(), fitted.points_.tolist(), fitted.means_.tolist(),
             fitted.radii_.tolist(), fitted.candidate_mss_)
-        self.models = [self._reset_model(updates, partitions) for _ in range(self.n_clusters)]
+        self.state.models = [self._reset_model(updates, partitions)
+                             for _ in range(fitted.n_clusters_)]
         logger.info("round 1 clustering: M=%d, MSS=%.3f, MPO=%.3g, E_c=%d, EM iterations=%d",
                     self.n_clusters, fitted.mss_, fitted.mpo_, self.switch, fitted.n_iter_)
 
     def _reset_model(self, updates: dict[int, np.ndarray], partitions: list[int]) -> np.ndarray:
         """theta_init for every cluster ([001] Alg. 1 line 13), or the authors' code: the
         round-1 model of the first client (docs/algorithm.md#where-we-differ-from-the-paper)."""
-        if self.experiment.cluster_init == "client0":
-            return (self.initial + updates[partitions[0]]).astype(np.float32)
-        return self.initial.copy()
+        if self.params.cluster_init == "client0":
+            return (self.state.initial + updates[partitions[0]]).astype(np.float32)
+        return self.state.initial.copy()
 
     def results(self) -> dict[str, Any]:
-        return {"switch_round": self.switch,
+        outcome = {} if self.clustering is None else asdict(self.clustering)
+        return {**outcome, "switch_round": self.switch,
                 "select_rounds": [self.select_window().start, self.select_window().stop - 1],
                 "frozen_choices": dict(self.choice)}

@@ -12,35 +12,47 @@ choice is frozen ("10%" variant). Single-stage noise calibrated to eps_train. Ne
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ArrayRecord
+from pydantic import Field
 
 from ..config import ExperimentConfig
+from ..privacy.schedule import Schedule
 from ..protocol import SELECT
-from ..silo import Schedule
-from .base import ClusteredStrategy, RunObserver, TrainReply
+from ..registry import register
+from .base import Method, SelectionParams, ServerState, TrainReply
 
 
-class DPIFCA(ClusteredStrategy):
+class IFCAParams(SelectionParams):
+    """``[ifca]``: DP-IFCA's parameters; it must be told M."""
+
+    n_clusters: int = Field(4, ge=2, description="M, the number of cluster models")
+
+
+@register
+class DPIFCA(Method):
     name = "ifca"
+    title = "DP-IFCA: each silo picks the cluster model with the best train accuracy"
+    Params = IFCAParams
     discovers_clusters = True
+    params: IFCAParams
 
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        if experiment.n_clusters < 2:
-            raise ValueError("ifca needs the number of clusters: set n-clusters >= 2")
-        super().__init__(experiment, initial, experiment.n_clusters, observer)
+    def __init__(self, experiment: ExperimentConfig, params: IFCAParams,
+                 state: ServerState) -> None:
+        super().__init__(experiment, params, state)
+        state.reset_models(params.n_clusters)
         self.choice: dict[int, int] = {}
 
     def schedule(self) -> Schedule:
-        e = self.experiment
+        e, p = self.experiment, self.params
         return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size, e.batch_size,
-                        e.select_rounds, e.select_ratio, e.conversion, e.budget_mode)
+                        p.select_rounds(e.num_server_rounds), p.select_ratio, e.conversion,
+                        e.budget_mode)
 
     def select_window(self) -> range:
+        """Rounds with private selection: 2..1+T_sel, or every round after the first."""
         last = self.experiment.num_server_rounds
-        if self.experiment.selection == "every-round":
+        if self.params.selection == "every-round":
             return range(2, last + 1)
-        return range(2, min(1 + self.experiment.select_rounds, last) + 1)
+        return range(2, min(1 + self.params.select_rounds(last), last) + 1)
 
     def stage(self, server_round: int) -> str:
         if server_round == 1:

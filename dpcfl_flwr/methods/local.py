@@ -6,20 +6,16 @@ rounds; models never leave the silos, whose replies carry metrics only.
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord
-
-from ..config import ExperimentConfig
 from ..protocol import OWN
-from .base import INITIAL, ClusteredStrategy, RunObserver
+from ..registry import register
+from .base import INITIAL, Method
 
 
-class LocalDP(ClusteredStrategy):
+@register
+class LocalDP(Method):
     name = "local"
-    personal = True
-
-    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
-                 observer: RunObserver | None = None) -> None:
-        super().__init__(experiment, initial, 0, observer)
+    title = "Local: each silo trains its own model, no federation"
+    personal = True  # the silos keep their models: no cluster models on the server
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return dict.fromkeys(partitions, INITIAL if server_round == 1 else OWN)

@@ -1,0 +1,55 @@
+"""Reading the silos' replies: every number checked before it can touch the server's state.
+
+One silo running other code (or broken arithmetic) must cost its own round, not the run or,
+through a NaN in an average, every silo's model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+
+from ..methods.base import INITIAL, TrainReply
+from ..protocol import METRICS, OWN, UPDATE, ModelLayout, metrics_of, model_records, number
+
+
+def reply_numbers(message: Message, keys: tuple[str, ...],
+                  record: str = METRICS) -> tuple[Mapping[str, Any], list[float]]:
+    """A reply's record of numbers ``record`` (see :func:`~..protocol.metrics_of`) and its
+    fields ``keys`` as numbers; ValueError naming what is missing or not a number."""
+    try:
+        metrics = metrics_of(message, record)
+        return metrics, [number(metrics, key) for key in keys]
+    except KeyError as exc:
+        raise ValueError(f"no {exc} in the reply") from exc
+
+
+def known_number(record: Mapping[str, Any], key: str) -> float | None:
+    """An optional number of a reply: None when it is absent, not a number or not finite (a
+    silo that keeps its metrics private sends no ``val-accuracy``)."""
+    value = record.get(key)
+    if isinstance(value, bool | int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def train_reply(message: Message, layout: ModelLayout, n_clusters: int) -> TrainReply:
+    """A silo's train reply, checked: only ``cluster``, ``epsilon-spent`` and
+    ``noise-multiplier`` must be there; a silo's own numbers about its data (validation
+    accuracy and loss) are optional. ``layout``: the model's, which the update must have;
+    ``n_clusters``: M, which bounds the cluster it says it trained. ValueError says why a
+    reply cannot be used."""
+    metrics, numbers = reply_numbers(message, ("cluster", "epsilon-spent", "noise-multiplier"))
+    cluster = int(numbers[0])
+    models = model_records(message.content)
+    update = layout.flatten(models[UPDATE]) if UPDATE in models else None
+    if cluster not in (INITIAL, OWN) and not 0 <= cluster < n_clusters:
+        raise ValueError(f"it trained cluster {cluster}, this run has {n_clusters}")
+    if update is not None and not np.isfinite(update).all():
+        raise ValueError("its update has non-finite values")
+    fields = {k: v for k, v in metrics.items() if not isinstance(v, bytes)}  # not the update
+    return TrainReply(cluster, update, fields)

@@ -1,0 +1,187 @@
+"""Which silos a run has: asking the nodes who they are, and waiting for enough of them.
+
+Silos are keyed by their partition id, not by Flower's node id: a silo that restarts comes
+back with a new node id but the same identity, its ledger and its cluster assignment. A node
+whose silo cannot start (its answer to the ``query`` message is an error) is asked again every
+:data:`RETRY_FAILED_SECONDS`, since its operator may fix it while the run waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from ..config import ExperimentConfig
+from ..methods.base import SiloInfo
+from ..protocol import CONFIG, SILO
+from .exchange import exchange, pause
+from .replies import reply_numbers
+
+logger = logging.getLogger(__name__)
+
+#: How often (s) a node whose silo could not start is asked again (its operator may fix it).
+RETRY_FAILED_SECONDS = 30.0
+
+# what a silo says of itself when queried, in SiloInfo's order
+SILO_FIELDS = ("partition-id", "true-cluster", "num-train", "epsilon-budget", "delta",
+               "epsilon-spent")
+
+
+class TooFewSilos(RuntimeError):
+    """Fewer silos can run than the run needs: it stops before any silo spends budget."""
+
+
+@dataclass
+class FailedNode:
+    """A node whose silo answered the query with an error (it cannot start)."""
+
+    reason: str
+    asked: float  # time.monotonic() of that query, s
+
+
+def _nodes(nodes: list[int], shown: int = 4) -> str:
+    listed = ", ".join(str(n) for n in sorted(nodes)[:shown])
+    more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
+    return f"node{'s' if len(nodes) > 1 else ''} {listed}{more}"
+
+
+class SiloRoster:
+    """The silos of a run (``silos``, shared with the strategy and its method) and the nodes
+    whose silo cannot start (``failed``, by node id).
+
+    ``experiment``: the run (its topology bounds how many silos can come, its round timeout
+    bounds a query); ``method_name`` and ``method_needs``: for messages and the fewest silos
+    the method can run with."""
+
+    def __init__(self, experiment: ExperimentConfig, silos: dict[int, SiloInfo],
+                 method_name: str, method_needs: int) -> None:
+        self.experiment = experiment
+        self.silos = silos
+        self.failed: dict[int, FailedNode] = {}
+        self.name = method_name
+        self.needs = method_needs
+
+    def silos_needed(self) -> int:
+        return self.needs
+
+    def discover(self, grid: Grid, expected: int, wait: float, required: int = 0) -> None:
+        """Wait until ``expected`` silos can run, for at most ``wait`` s, or until every node
+        present has answered (the ones that cannot start with their reason); then go on with
+        the silos that can run, or raise :class:`TooFewSilos` when they are fewer than
+        ``required`` or :meth:`silos_needed`. No silo has trained when this returns."""
+        needed = max(required, self.silos_needed())
+        if needed > self.experiment.topology.num_clients:
+            raise TooFewSilos(f"at least {needed} silos needed{self._why(needed)}, but the "
+                              f"topology {self.experiment.clusters} has "
+                              f"{self.experiment.topology.num_clients}")
+        target = max(expected, needed)
+        deadline = time.monotonic() + wait
+        while True:
+            present = self.refresh_silos(grid)
+            answered = all(n in self.failed or n in self._known_nodes() for n in present)
+            if (len(self.silos) >= target or time.monotonic() >= deadline
+                    or (answered and len(present) >= target)):
+                break
+            pause(0.5)
+        if len(self.silos) < needed:
+            raise TooFewSilos(self._too_few(present, expected, needed, wait))
+        if len(self.silos) < expected:
+            logger.warning("%s; going on with them", self._silo_count(present, expected, wait))
+
+    def _silo_count(self, present: list[int], expected: int, wait: float) -> str:
+        """'3 of 21 silos can run (18 failed to start: <reason> (nodes ...))', one line."""
+        known = self._known_nodes()
+        by_reason: dict[str, list[int]] = {}
+        for node in present:
+            if node in self.failed and node not in known:
+                by_reason.setdefault(self.failed[node].reason, []).append(node)
+        failed = sum(len(nodes) for nodes in by_reason.values())
+        silent = len([n for n in present if n not in known and n not in self.failed])
+        parts = []
+        if failed:
+            parts.append(f"{failed} failed to start: " + "; ".join(
+                f"{reason} ({_nodes(nodes)})" for reason, nodes in by_reason.items()))
+        if silent:
+            parts.append(f"{silent} did not answer")
+        if len(present) < expected:
+            parts.append(f"{expected - len(present)} did not connect within {wait:g} s")
+        detail = f" ({'; '.join(parts)})" if parts else ""
+        return f"{len(self.silos)} of {max(expected, len(present))} silos can run{detail}"
+
+    def _too_few(self, present: list[int], expected: int, needed: int, wait: float) -> str:
+        count = self._silo_count(present, expected, wait)
+        return f"{count}; at least {needed} needed{self._why(needed)}"
+
+    def _why(self, needed: int) -> str:
+        if needed > self.silos_needed():
+            return f" (required-clients = {needed})"
+        return f" ({self.name} needs {needed})" if needed > 1 else ""
+
+    def _known_nodes(self) -> set[int]:
+        return {s.node_id for s in self.silos.values()}
+
+    def refresh_silos(self, grid: Grid) -> list[int]:
+        """Query the nodes the server has not heard from (new silos, or restarted ones), and
+        again every :data:`RETRY_FAILED_SECONDS` the nodes whose silo could not start; returns
+        the ids of the nodes present."""
+        present = list(grid.get_node_ids())
+        for gone in set(self.failed) - set(present):
+            del self.failed[gone]
+        known = self._known_nodes()
+        now = time.monotonic()
+        ask = [n for n in present if n not in known and (
+            n not in self.failed or now - self.failed[n].asked >= RETRY_FAILED_SECONDS)]
+        if not ask:
+            return present
+        messages = {node: Message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
+                                  dst_node_id=node, message_type="query") for node in ask}
+        result = exchange(grid, messages, timeout=min(self.experiment.round_timeout, 600.0))
+        for node, message in result.replies.items():
+            if message.has_error():
+                self._cannot_start(node, message.error.reason or f"error code {message.error.code}",
+                                   now)
+                continue
+            try:
+                _, fields = reply_numbers(message, SILO_FIELDS, SILO)
+            except ValueError as exc:
+                self._cannot_start(node, f"it described itself in a way the server cannot use: "
+                                         f"{exc}", now)
+                continue
+            holder = self.silos.get(int(fields[0]))
+            if holder is not None and holder.node_id != node and holder.node_id in present:
+                self._cannot_start(node, f"partition {int(fields[0])} is already node "
+                                         f"{holder.node_id}'s, which is still connected: two "
+                                         "silos cannot share one partition id", now)
+                continue
+            self.failed.pop(node, None)
+            self._register(node, fields)
+        return present
+
+    def _cannot_start(self, node: int, reason: str, asked: float) -> None:
+        """Remember why ``node``'s silo cannot start; say so once (and when the reason changes),
+        not at every query."""
+        reason = " ".join(str(reason).split())  # one log line, whatever the silo sent
+        previous = self.failed.get(node)
+        self.failed[node] = FailedNode(reason, asked)
+        if previous is None or previous.reason != reason:
+            logger.error("silo on node %d cannot start: %s", node, reason)
+
+    def _register(self, node: int, fields: list[float]) -> None:
+        """``fields``: the silo's SILO_FIELDS, in that order."""
+        partition, cluster, num_train = (int(value) for value in fields[:3])
+        budget, delta, spent = fields[3:]
+        if partition in self.silos:
+            logger.warning("silo %d rejoined as node %d", partition, node)
+            self.silos[partition].node_id = node
+            self.silos[partition].epsilon_spent = spent
+            return
+        self.silos[partition] = SiloInfo(partition, node, cluster, num_train, budget, delta, spent,
+                                         epsilon_spent_before=spent)
+        if spent > 0:
+            logger.warning("silo %d starts with eps %.4g of %g already spent (earlier runs): "
+                           "this run can use the %.4g left, with larger noise", partition,
+                           spent, budget, max(budget - spent, 0.0))

@@ -1,0 +1,385 @@
+"""ClusteredStrategy: a Flower Strategy that keeps M cluster models and runs any method.
+
+Flower's own round loop (``Strategy.start``) drives the run. Each round is
+:meth:`~ClusteredStrategy.configure_train` (the method assigns a cluster to every silo; this
+class packs the models into Flower messages) -> the grid -> :meth:`~ClusteredStrategy.
+aggregate_train` (replies checked, the method absorbs them), then the evaluate pair, which
+evaluates every ``eval-every`` rounds and after the last. What Flower's loop lacks, this class
+adds: the M models live here (Flower threads one ``ArrayRecord`` through its loop, which stays
+theta_init); new or restarted silos are asked who they are before each round
+(:class:`~.silos.SiloRoster`); the finished ``Result`` carries every cluster model.
+
+The method (``experiment.method``, from :mod:`dpcfl_flwr.registry`) decides; this class only
+turns its decisions into messages and folds the replies back (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import Any, Protocol
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from .. import registry
+from ..config import ExperimentConfig
+from ..methods.base import INITIAL, Method, ServerState, SiloInfo, TrainReply
+from ..protocol import (
+    ARRAYS,
+    BUDGET_EXCEEDED,
+    CONFIG,
+    OWN,
+    SELECT,
+    ModelLayout,
+    WireModel,
+    cluster_key,
+    number,
+    one_record,
+    pack,
+)
+from .replies import known_number, reply_numbers, train_reply
+from .silos import SiloRoster
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundReport:
+    """What happened in one training round, for logs, progress and the results files.
+    Times in seconds; accuracies in [0, 1]; silos by partition."""
+
+    round: int
+    stage: str
+    seconds: float
+    trained: dict[int, int]  # partition -> cluster it trained
+    val_accuracy: dict[int, float]  # of the silos that report one (private metrics do not)
+    refused: list[int]
+    dropped: list[int]
+    server_seconds: float = 0.0
+    test_accuracy: dict[int, float] | None = None
+    client_cpu_seconds: dict[int, float] = field(default_factory=dict)
+
+    def cluster_sizes(self, n_clusters: int) -> list[int]:
+        counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
+        return counts.tolist()
+
+
+class RunObserver(Protocol):
+    """Receives the run as it happens (the results writer, a progress display)."""
+
+    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
+
+    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
+
+
+@dataclass
+class _Sent:
+    """A round's messages in flight: the silo each went to (by node id) and when (monotonic)."""
+
+    partitions: dict[int, int]
+    at: float
+
+
+def _to_send(model: WireModel | None, cluster: int) -> WireModel:
+    if model is None:
+        raise ValueError(f"cluster {cluster} has no model to send")
+    return model
+
+
+class ClusteredStrategy(Strategy):
+    """The server side of every method: M cluster models, the silos, Flower's hooks.
+
+    ``experiment``: the validated run config (its ``method`` picks the method);
+    ``initial``: theta_init, every cluster's starting model; ``observer``: told when the
+    silos are known and after each round (the results writer)."""
+
+    def __init__(self, experiment: ExperimentConfig, initial: ArrayRecord,
+                 observer: RunObserver | None = None) -> None:
+        self.experiment = experiment
+        self.layout = ModelLayout.of(initial)
+        self.state = ServerState(self.layout.flatten(initial))
+        method_class = registry.method_class(experiment.method)
+        self.method: Method = method_class(experiment, experiment.params, self.state)
+        self.roster = SiloRoster(experiment, self.state.silos, method_class.name,
+                                 self.method.silos_needed())
+        self.observer = observer
+        self.reports: list[RoundReport] = []
+        self._sent: _Sent | None = None
+        self._noise_checked: set[int] = set()  # silos whose z was compared with the others'
+
+    # --- what the run reads -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def silos(self) -> dict[int, SiloInfo]:
+        return self.state.silos
+
+    @property
+    def models(self) -> list[np.ndarray]:
+        return self.state.models
+
+    @property
+    def n_clusters(self) -> int:
+        return len(self.state.models)
+
+    @property
+    def initial(self) -> np.ndarray:
+        return self.state.initial
+
+    @property
+    def discovers_clusters(self) -> bool:
+        return self.method.discovers_clusters
+
+    def current_cluster(self, partition: int) -> int:
+        return self.method.current_cluster(partition)
+
+    def evaluates(self, server_round: int) -> bool:
+        """Every ``eval-every`` rounds and after the last."""
+        e = self.experiment
+        return server_round % e.eval_every == 0 or server_round == e.num_server_rounds
+
+    def evaluations(self) -> int:
+        """Evaluate queries of the run: a silo with private metrics reserves budget for them."""
+        return sum(self.evaluates(r) for r in range(1, self.experiment.num_server_rounds + 1))
+
+    # --- silos ----------------------------------------------------------------------------------
+    def discover(self, grid: Grid, expected: int, wait: float, required: int = 0) -> None:
+        """Wait until ``expected`` silos can run, for at most ``wait`` s (see
+        :meth:`.silos.SiloRoster.discover`); no silo has trained when this returns."""
+        self.roster.discover(grid, expected, wait, required)
+        if self.observer is not None:
+            self.observer.silos_known(self)
+
+    def refresh_silos(self, grid: Grid) -> list[int]:
+        return self.roster.refresh_silos(grid)
+
+    def active_partitions(self) -> list[int]:
+        return sorted(p for p, s in self.silos.items() if not s.exhausted)
+
+    # --- Flower's hooks: training ---------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """The round's train messages, one per silo that can still train: the model of the
+        cluster the method assigned it (all M when it selects privately), the round's
+        settings and the run's DP schedule. ``arrays`` and ``config`` (Flower's single
+        model and config) are not used: the models are the method's."""
+        self.refresh_silos(grid)  # silos that (re)joined since the last round
+        messages = self._train_messages(server_round)
+        self._sent = _Sent({self.silos[p].node_id: p for p in messages}, time.monotonic())
+        return list(messages.values())
+
+    def _train_messages(self, server_round: int) -> dict[int, Message]:
+        assignment = self.method.assign(server_round, self.active_partitions())
+        packed = cache(self._model_record)  # each model packed once a round, its bytes shared
+        extra = self.method.extra_models(server_round)  # after assign: it may size the models
+        messages = {}
+        for partition, cluster in assignment.items():
+            if cluster == SELECT:
+                models = {cluster_key(m): _to_send(packed(m), m) for m in range(self.n_clusters)}
+            else:
+                model = packed(cluster)
+                models = {} if model is None else {ARRAYS: model}
+            content = one_record(CONFIG, self.train_config(server_round, cluster),
+                                 {**models, **extra})
+            messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
+                                          message_type="train", ttl=self._ttl())
+        return messages
+
+    def train_config(self, server_round: int, cluster: int) -> dict[str, Any]:
+        """The fields of a train message (docs/protocol.md#train)."""
+        e, method = self.experiment, self.method
+        return {
+            "server-round": server_round, "stage": method.stage(server_round),
+            "cluster": cluster, "round-batch": str(method.round_batch(server_round)),
+            "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
+            "personal": int(method.personal),
+            **replace(method.schedule(), evaluations=self.evaluations()).to_config(),
+            **method.silo_settings(server_round, cluster),
+        }
+
+    def _model_record(self, cluster: int) -> WireModel | None:
+        if cluster == OWN:
+            return None
+        return pack(self.initial if cluster == INITIAL else self.models[cluster])
+
+    def _ttl(self) -> float:
+        """A round's messages expire with the round: a silo that restarts must not pick up
+        (and spend budget on) a round the server stopped waiting for."""
+        return self.experiment.round_timeout + 5.0
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check the replies and let the method absorb them. Returns no ArrayRecord: the M
+        cluster models stay here (the run's ``Result`` gets them at the end)."""
+        sent, self._sent = self._sent or _Sent({}, time.monotonic()), None
+        by_node = sent.partitions or {s.node_id: p for p, s in self.silos.items()}
+        keyed = {by_node[m.metadata.src_node_id]: m for m in replies
+                 if m.metadata.src_node_id in by_node}
+        missing = sorted(set(by_node.values()) - set(keyed))
+        report = self._fold_train(server_round, keyed, missing, time.monotonic() - sent.at)
+        return None, MetricRecord({"silos-trained": len(report.trained)})
+
+    def _fold_train(self, server_round: int, replies: dict[int, Message], missing: list[int],
+                    seconds: float) -> RoundReport:
+        started = time.monotonic()
+        good: dict[int, TrainReply] = {}
+        refused: list[int] = []
+        for partition, message in sorted(replies.items()):
+            silo = self.silos[partition]
+            if message.has_error():
+                self._log_error(server_round, silo, message, refused)
+                continue
+            try:
+                reply = train_reply(message, self.layout, self.n_clusters)
+            except ValueError as exc:
+                silo.dropped_rounds.append(server_round)
+                logger.error("round %d: silo %d sent a reply the server cannot use (dropped): "
+                             "%s", server_round, partition, exc)
+                continue
+            good[partition] = reply
+            silo.epsilon_spent = number(reply.metrics, "epsilon-spent")
+            silo.noise_multiplier = number(reply.metrics, "noise-multiplier")
+        for partition in missing:
+            self.silos[partition].dropped_rounds.append(server_round)
+            logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
+        self._check_noise_multipliers(server_round, list(good))
+        self.method.absorb(server_round, good)
+        report = RoundReport(
+            server_round, self.method.stage(server_round), seconds,
+            {p: r.cluster for p, r in good.items()},
+            {p: v for p, r in good.items()
+             if (v := known_number(r.metrics, "val-accuracy")) is not None},
+            refused, sorted(missing), server_seconds=time.monotonic() - started,
+            client_cpu_seconds={p: number(r.metrics, "cpu-seconds") for p, r in good.items()
+                                if "cpu-seconds" in r.metrics},
+        )
+        self.reports.append(report)
+        return report
+
+    def _check_noise_multipliers(self, server_round: int, replied: list[int]) -> None:
+        """Log, once per silo, a silo whose noise multiplier z differs from the one most silos
+        use: it calibrated for a smaller budget (spent in an earlier run) or another data size,
+        so its updates are noisier than the others'."""
+        new = [p for p in replied if p not in self._noise_checked]
+        self._noise_checked.update(new)
+        known = {p: round(s.noise_multiplier, 4) for p, s in self.silos.items()
+                 if s.noise_multiplier is not None}
+        counts = Counter(known.values())
+        if len(counts) < 2:
+            return
+        usual = max(counts, key=lambda z: (counts[z], -z))
+        for partition in new:
+            if known.get(partition, usual) != usual:
+                silo = self.silos[partition]
+                logger.warning(
+                    "round %d: silo %d trains with noise multiplier z=%.4g, %d other silo(s) "
+                    "with %.4g (its budget eps %g, %.4g spent before this run; %d training "
+                    "records)", server_round, partition, known[partition], counts[usual],
+                    usual, silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
+
+    def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
+                   refused: list[int]) -> None:
+        reason = message.error.reason
+        if message.error.code == BUDGET_EXCEEDED:
+            silo.exhausted = True
+            silo.refused_rounds.append(server_round)
+            refused.append(silo.partition)
+            logger.warning("round %d: silo %d refused: %s", server_round, silo.partition, reason)
+        else:
+            silo.dropped_rounds.append(server_round)
+            logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
+                         message.error.code, reason)
+
+    # --- Flower's hooks: evaluation ---------------------------------------------------------
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Every silo's evaluate message (the model it uses now), in evaluation rounds; none
+        in the others."""
+        if not self.evaluates(server_round):
+            return []
+        packed = cache(self._model_record)
+        messages = []
+        for partition in sorted(self.silos):
+            cluster = self.current_cluster(partition)
+            model = packed(cluster)
+            content = one_record(CONFIG, {"server-round": server_round, "cluster": cluster},
+                                 {} if model is None else {ARRAYS: model})
+            messages.append(Message(content, dst_node_id=self.silos[partition].node_id,
+                                    message_type="evaluate", ttl=self._ttl()))
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        """Fold the evaluation replies into the round's report (in evaluation rounds), log the
+        round and tell the observer; the mean test accuracy goes to Flower's history."""
+        report = self.reports[-1]
+        if self.evaluates(server_round):
+            by_node = {s.node_id: p for p, s in self.silos.items()}
+            report.test_accuracy = self._fold_evaluate(
+                {by_node[m.metadata.src_node_id]: m for m in replies
+                 if m.metadata.src_node_id in by_node})
+        self._log_round(report)
+        if self.observer is not None:
+            self.observer.round_done(self, report)
+        if not report.test_accuracy:
+            return None
+        return MetricRecord({"test-accuracy": float(np.mean(list(report.test_accuracy.values())))})
+
+    def _fold_evaluate(self, replies: dict[int, Message]) -> dict[int, float]:
+        accuracy = {}
+        for partition, message in replies.items():
+            if message.has_error():
+                logger.error("evaluation on silo %d failed: %s", partition, message.error.reason)
+                continue
+            try:
+                _, values = reply_numbers(message, ("test-accuracy", "test-loss",
+                                                    "epsilon-spent"))
+            except ValueError as exc:
+                logger.error("evaluation on silo %d: a reply the server cannot use: %s",
+                             partition, exc)
+                continue
+            silo = self.silos[partition]
+            silo.test_accuracy, silo.test_loss, silo.epsilon_spent = values
+            accuracy[partition] = silo.test_accuracy
+        return accuracy
+
+    def _log_round(self, report: RoundReport) -> None:
+        tested = report.test_accuracy
+        accuracy = f", test acc {np.mean(list(tested.values())):.3f}" if tested else ""
+        logger.info("round %d [%s]: %d trained, cluster sizes %s, %.1f s%s", report.round,
+                    report.stage, len(report.trained), report.cluster_sizes(self.n_clusters),
+                    report.seconds, accuracy)
+
+    # --- the run ------------------------------------------------------------------------------
+    def summary(self) -> None:
+        e = self.experiment
+        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, lr=%g, c=%g, %s",
+                    self.name, len(self.silos), self.n_clusters, e.num_server_rounds, e.epsilon,
+                    e.delta, e.batch_size, e.learning_rate, e.clip_norm, e.params)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+        """Flower's round loop, unchanged; then the result's arrays are the cluster models
+        (``cluster-<m>.<tensor>``; none for a method whose silos keep their models)."""
+        result = super().start(grid, initial_arrays, num_rounds, timeout, train_config,
+                               evaluate_config, evaluate_fn)
+        result.arrays = self.cluster_arrays()
+        return result
+
+    def cluster_arrays(self) -> ArrayRecord:
+        """Every cluster model as named tensors, keys ``cluster-<m>.<tensor name>``."""
+        record = ArrayRecord()
+        for m, model in enumerate(self.models):
+            for key, value in self.layout.unflatten(model).items():
+                record[f"{cluster_key(m)}.{key}"] = Array(value)
+        return record
