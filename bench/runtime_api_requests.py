@@ -2,7 +2,7 @@
 
 A ServerApp of a 21-silo round makes ~200 Runtime API requests (mostly one per object it
 pulls), and Flower 1.39 runs each through all six middlewares of its SuperLink app, four of
-which act on Control API paths only (dpcfl_flwr/deploy/control_middleware.py). This builds
+which act on Control API paths only (dpcfl_flwr/flower_compat/control_middleware.py). This builds
 Flower's real app twice in one process, as Flower builds it and with those four kept to
 Control paths, and sends each the same non-Control request (``GET /health``, which passes the
 same stack as a Runtime API request) through Starlette's in-process test client, alternating
@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     from flwr.superlink import main as superlink_main
 
-    from dpcfl_flwr.deploy import control_middleware
+    from dpcfl_flwr.flower_compat import control_middleware
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from starlette.testclient import TestClient

@@ -36,7 +36,7 @@ def test_child_cpu_is_counted_and_rounds_are_placed(tmp_path):
 
 
 def test_roles_follow_the_command_line():
-    assert role_of("python -m dpcfl_flwr.deploy.warm_runtime --runtime-api-address x") == (
+    assert role_of("python -m dpcfl_flwr.flower_compat.warm_runtime --runtime-api-address x") == (
         "ClientApp runtimes")
     assert role_of("python -m dpcfl_flwr.deploy.supernode_launcher --idle-poll 0.5") == (
         "SuperNodes")

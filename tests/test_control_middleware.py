@@ -5,14 +5,13 @@ the same requests the same way, and the Control middlewares still see every Cont
 
 from __future__ import annotations
 
-import flwr
 import pytest
 from flwr.superlink import main as superlink_main
 from flwr.superlink.routers.control import middlewares as control
 from starlette.testclient import TestClient
 
-from dpcfl_flwr.deploy import control_middleware
-from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
+from dpcfl_flwr import flower_compat
+from dpcfl_flwr.flower_compat import control_middleware
 
 CONTROL_ONLY = (control.ControlSensitiveResponseMiddleware,
                 control.ControlAuthenticationMiddleware,
@@ -95,8 +94,8 @@ def test_with_an_event_log_plugin_runtime_requests_are_still_logged(entered):
 
 def test_other_flower_versions_keep_their_middleware(entered, monkeypatch):
     flowers = superlink_main._get_middleware
-    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+    monkeypatch.setattr(flower_compat, "TUNING", False)
     assert not control_middleware.install()
     assert superlink_main._get_middleware is flowers
-    monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
+    monkeypatch.setattr(flower_compat, "TUNING", True)
     assert control_middleware.install() and superlink_main._get_middleware is not flowers

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from dpcfl_flwr.config import ConfigError, parse_node_config
 from dpcfl_flwr.deploy.certs import make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
-from dpcfl_flwr.deploy.processes import descendants
+from dpcfl_flwr.deploy.processes import descendants, exit_code_of
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
     deployed_settings,
@@ -29,7 +29,6 @@ from dpcfl_flwr.deploy.silo_file import (
     supernode_command,
 )
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
-from dpcfl_flwr.deploy.supernode_launcher import exit_code_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,7 +247,7 @@ def test_silos_are_told_an_address_they_can_dial(tmp_path):
 
 
 def test_a_silo_keeps_its_open_session_in_the_flower_home_per_superlink_and_key(tmp_path):
-    from dpcfl_flwr.deploy.supernode_launcher import session_file
+    from dpcfl_flwr.flower_compat.supernode import session_file
 
     def arguments(superlink: str, key: str) -> list[str]:
         return ["--superlink", superlink, "--node-config", "partition-id=0",

@@ -22,14 +22,14 @@ from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supernode.nodestate import NodeStateFactory
 
-from dpcfl_flwr.deploy.direct_runtime import (
+from dpcfl_flwr.flower_compat.direct_runtime import (
     DirectRuntimeClient,
     direct_link,
     runtime_api_address,
     serve_in_supernode,
     serve_or_stop,
 )
-from dpcfl_flwr.deploy.warm_runtime import WarmRuntime
+from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
 
 CLIENT_APP = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
 
@@ -81,7 +81,7 @@ def test_a_task_call_with_its_token_reaches_flowers_handler(factory):
 def test_a_heartbeat_keeps_a_claimed_task_and_a_lost_one_only_logs(factory, caplog):
     _pending_task(factory)
     acquired = DirectRuntimeClient(factory).AcquireTask(CLIENT_APP)
-    ours = "dpcfl_flwr.deploy.direct_runtime"
+    ours = "dpcfl_flwr.flower_compat.direct_runtime"
     with caplog.at_level(logging.WARNING, logger=ours):
         assert DirectRuntimeClient(factory, acquired.token).task_heartbeat()
         assert not [r for r in caplog.records if r.name == ours]

@@ -6,7 +6,6 @@ path, and both get the same requests over Starlette's test client.
 
 from __future__ import annotations
 
-import flwr
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
@@ -25,9 +24,9 @@ from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
 from flwr.superlink import main as superlink_main
 from starlette.testclient import TestClient
 
-from dpcfl_flwr.deploy import runtime_fast_path
-from dpcfl_flwr.deploy.runtime_fast_path import ObjectRequestsFastPath
-from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
+from dpcfl_flwr import flower_compat
+from dpcfl_flwr.flower_compat import runtime_fast_path
+from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
 
 PROTOBUF = "application/protobuf"
 SERVERAPP = dict(RuntimeVersionMetadata.from_local_component("ServerApp").as_metadata())
@@ -142,9 +141,9 @@ def test_object_requests_skip_flowers_routing_and_get_flowers_answers(
 
 
 def test_install_only_on_the_known_flower_version(monkeypatch):
-    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+    monkeypatch.setattr(flower_compat, "TUNING", False)
     assert not runtime_fast_path.install()
-    monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
+    monkeypatch.setattr(flower_compat, "TUNING", True)
     assert runtime_fast_path.install()
     assert isinstance(superlink_main.create_app(), ObjectRequestsFastPath)
 

@@ -13,7 +13,6 @@ import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import flwr
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
@@ -37,16 +36,17 @@ from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.servicer.runtime import runtime_handlers
 
+from dpcfl_flwr import flower_compat
 from dpcfl_flwr.deploy import superlink_launcher
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
-from dpcfl_flwr.deploy.superlink_launcher import (
+from dpcfl_flwr.deploy.superlink_launcher import split_arguments
+from dpcfl_flwr.flower_compat import superlink
+from dpcfl_flwr.flower_compat.superlink import (
     Arrivals,
     announce_complete_messages,
     hold_empty_pulls,
     hold_reply_pulls,
-    split_arguments,
 )
-from dpcfl_flwr.deploy.supernode_launcher import PATCHED_FLOWER
 
 # seconds: "at once", well under the holds (1 s, 3 s) and Flower's 1 s back-off on a missing
 # object; a loaded 2-core CI machine once took 0.44 s
@@ -290,11 +290,11 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
     assert "get_message_res" in source and "available" not in source
 
 
-def test_install_patches_only_the_known_flower_version(monkeypatch):
-    monkeypatch.setattr(flwr, "__version__", "9.9.9")
-    assert not superlink_launcher.install(10.0, 1.0)
-    monkeypatch.setattr(flwr, "__version__", PATCHED_FLOWER)
-    assert not superlink_launcher.install(0.0, 1.0)  # --pull-hold 0: Flower's behaviour
+def test_install_patches_only_with_the_tuning_on(monkeypatch):
+    monkeypatch.setattr(flower_compat, "TUNING", False)  # another Flower, or switched off
+    assert not superlink.install(10.0, 1.0)
+    monkeypatch.setattr(flower_compat, "TUNING", True)
+    assert not superlink.install(0.0, 1.0)  # --pull-hold 0: Flower's behaviour
 
 
 def test_the_superlink_runs_through_the_launcher_with_its_hold():

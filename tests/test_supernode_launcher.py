@@ -1,4 +1,4 @@
-"""The SuperNode launcher shortens exactly Flower's two poll waits, and only on flwr 1.39.0;
+"""The SuperNode launcher shortens exactly Flower's two poll waits, and only with the tuning on;
 its Runtime API ticks once a second; an in-process ClientApp ends the reply wait; no option that
 would run other code than the installed app gets through."""
 
@@ -13,22 +13,21 @@ import pytest
 import uvicorn
 from flwr.supernode import start_client_internal as loop
 
-from dpcfl_flwr.deploy.supernode_launcher import (
+from dpcfl_flwr.deploy.supernode_launcher import split_arguments, unpinned_options
+from dpcfl_flwr.flower_compat import SUPPORTED_FLOWER
+from dpcfl_flwr.flower_compat.supernode import (
     FLOWER_IDLE_WAIT,
     FLOWER_REPLY_WAIT,
-    PATCHED_FLOWER,
     ShortWaits,
     shorten_waits,
     skip_connectivity_watch,
     slow_runtime_api_tick,
-    split_arguments,
-    unpinned_options,
 )
 
 
 def test_the_installed_flower_loop_still_has_the_waits_the_launcher_shortens():
     source = open(loop.__file__).read()  # noqa: SIM115 - read once, closed by GC
-    assert flwr.__version__ == PATCHED_FLOWER
+    assert flwr.__version__ == SUPPORTED_FLOWER
     assert f"time.sleep({FLOWER_IDLE_WAIT:g})" in source
     assert f"time.sleep({FLOWER_REPLY_WAIT})" in source
 
@@ -47,7 +46,7 @@ def test_short_waits_maps_flowers_constants_and_leaves_other_sleeps_alone():
 
 
 def test_the_idle_wait_counts_from_the_previous_polls_start():
-    # A SuperLink that held the empty poll (deploy/superlink_launcher.py) made the silo wait
+    # A SuperLink that held the empty poll (flower_compat/superlink.py) made the silo wait
     # already: the SuperNode asks again at once. A poll answered at once waits the full time.
     waits = ShortWaits(0.3)
     waits.sleep(FLOWER_IDLE_WAIT)
@@ -61,12 +60,11 @@ def test_the_idle_wait_counts_from_the_previous_polls_start():
     assert 0.15 <= time.perf_counter() - started < 0.3
 
 
-def test_shorten_waits_patches_the_real_loop_only_for_the_known_version(monkeypatch):
+def test_shorten_waits_patches_the_real_loop_once(monkeypatch):
     monkeypatch.setattr(loop, "time", time)
-    assert not shorten_waits(loop, "1.40.0", 0.5) and loop.time is time
-    assert shorten_waits(loop, PATCHED_FLOWER, 0.5)
+    assert shorten_waits(loop, 0.5)
     assert isinstance(loop.time, ShortWaits) and loop.time.idle_poll == 0.5
-    assert not shorten_waits(loop, PATCHED_FLOWER, 0.5)  # already patched: not twice
+    assert not shorten_waits(loop, 0.5)  # already patched: not twice
 
 
 def test_split_arguments_takes_our_options_and_passes_everything_else_on():
@@ -141,19 +139,17 @@ def _watched(channel) -> bool:
     return channel._connectivity_state.polling
 
 
-def test_the_channels_connectivity_watch_is_left_out_only_on_the_known_version(monkeypatch):
+def test_the_channels_connectivity_watch_is_left_out(monkeypatch):
     from flwr.client.grpc_rere_client import connection
 
     flowers = connection.create_channel
     monkeypatch.setattr(connection, "create_channel", flowers)  # restored afterwards
-    assert not skip_connectivity_watch(connection, "1.40.0")
-    assert connection.create_channel is flowers
     # Flower's channel: a subscription starts gRPC's thread that polls the channel at 5 Hz.
     plain = flowers(server_address="127.0.0.1:9", insecure=True)
     plain.subscribe(lambda state: None)
     assert _watched(plain)
     plain.close()
-    assert skip_connectivity_watch(connection, PATCHED_FLOWER)
+    assert skip_connectivity_watch(connection)
     quiet = connection.create_channel(server_address="127.0.0.1:9", insecure=True)
     quiet.subscribe(lambda state: None)
     time.sleep(0.1)

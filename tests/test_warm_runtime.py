@@ -1,5 +1,5 @@
 """The silo's ClientApp runtime runs a task only if its FAB ships the app installed on the silo
-(dpcfl_flwr/deploy/app_pin.py): warm in its process, or one flwr-clientapp per message; any
+(dpcfl_flwr/app_pin.py): warm in its process, or one flwr-clientapp per message; any
 other FAB is answered with an Error and none of its code runs. tests/test_app_pinning.py does
 the same against real SuperNodes over gRPC."""
 
@@ -18,10 +18,11 @@ from flwr.supercore.fab import Fab
 from flwr.supercore.run import Run
 
 import dpcfl_flwr
+from dpcfl_flwr import app_pin
 from dpcfl_flwr.config import parse_node_config
-from dpcfl_flwr.deploy import app_pin, warm_runtime
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
-from dpcfl_flwr.deploy.warm_runtime import WarmRuntime
+from dpcfl_flwr.flower_compat import warm_runtime
+from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
 
 PACKAGE = Path(dpcfl_flwr.__file__).parent
 FAB_ID, FAB_VERSION = "dpcfl/dpcfl-flwr", "0.1.0"
@@ -180,7 +181,7 @@ def test_an_untrusted_fab_gets_an_error_reply_and_none_of_its_code_runs(fab, tas
                                                                        per_message, ahead):
     tampered = _added(fab, "dpcfl_flwr/extra.py", b"x = 1\n")
     runtime = task_io(tampered, _ahead(tampered) if ahead else None, per_message=per_message)
-    with caplog.at_level("ERROR", logger="dpcfl_flwr.deploy.warm_runtime"):
+    with caplog.at_level("ERROR", logger="dpcfl_flwr.flower_compat.warm_runtime"):
         for _ in range(2):
             runtime.run(Task(run_id=1, fab_hash=app_pin.fab_hash(tampered)), token="t")
     assert runtime.answered == []  # neither the loaded ClientApp nor flwr-clientapp

@@ -24,13 +24,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .. import app_pin
 from ..config import ConfigError, SiloConfig
 from ..data import Topology
+from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
+from ..flower_compat.environment import flower_tool, use_this_environment
 from ..simulation import _toml_value
-from . import app_pin
 from .certs import make_certificates
 from .compose import ComposeOptions, compose_yaml, silo_files
-from .environment import flower_tool, use_this_environment
 from .runs import StreamWatch, final_status, follow_hint
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .superlink import (
@@ -44,7 +45,6 @@ from .superlink import (
     wait_until_listening,
     write_connection,
 )
-from .superlink_launcher import KEY_NOT_REGISTERED, NODE_ONLINE
 
 console = Console()
 errors = Console(stderr=True, soft_wrap=True)

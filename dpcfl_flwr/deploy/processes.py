@@ -1,8 +1,12 @@
-"""The local process table as a deployment and its benchmarks need it (Linux: /proc)."""
+"""The local process table as a deployment and its benchmarks need it (Linux: /proc), and
+the exit status of a launcher that runs one of Flower's commands in its own process."""
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -39,3 +43,19 @@ def descendants(root: int) -> set[int]:
         found.add(pid)
         pending.extend(children.get(pid, []))
     return found
+
+
+def exit_code_of(run: Callable[[], object]) -> int:
+    """Run ``run`` to its end and say how the process should exit: the code a ``SystemExit``
+    carries (Flower exits that way, also on signals), 1 after printing any other error."""
+    try:
+        run()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - reported here, the process ends right after
+        traceback.print_exc()
+        return 1
+    return 0

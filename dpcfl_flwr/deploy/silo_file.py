@@ -62,7 +62,7 @@ from ..config import (
     parse_node_config,
     parse_run_config,
 )
-from .environment import flower_tool
+from ..flower_compat.environment import flower_tool
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
@@ -234,7 +234,8 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
 
     The SuperNode starts no SuperExec of its own (``--isolation process``): it answers its
     ClientApp tasks itself, warm or with one ``flwr-clientapp`` per message, and only for FABs
-    that ship the app installed here (:mod:`.app_pin`, :mod:`.direct_runtime`). It imports
+    that ship the app installed here (:mod:`dpcfl_flwr.app_pin`,
+    :mod:`dpcfl_flwr.flower_compat.direct_runtime`). It imports
     that app as this process did (``-P``: not from the working directory), so the plan names
     the code the silo runs.
     """

@@ -30,9 +30,9 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 
-from .environment import flower_tool
+from ..flower_compat import IN_MEMORY_DATABASE
+from ..flower_compat.environment import flower_tool
 from .silo_file import _check_certificate
 from .superlink_launcher import DEFAULT_PULL_HOLD
 
@@ -58,7 +58,7 @@ class ServerSettings:
 
     @property
     def database(self) -> str:
-        return FLWR_IN_MEMORY_DB_NAME if self.in_memory else str(self.state / "state.db")
+        return IN_MEMORY_DATABASE if self.in_memory else str(self.state / "state.db")
 
     @property
     def ca(self) -> Path | None:

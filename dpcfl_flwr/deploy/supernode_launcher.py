@@ -1,245 +1,49 @@
 """``flower-supernode`` that runs only the installed app, with shorter waits between polls.
 
-Flower 1.39's SuperNode loop sleeps a fixed 3 s whenever a poll of the SuperLink brings no
-message, and checks every 0.5 s whether its ClientApp has replied
-(``flwr/supernode/start_client_internal.py``). A round therefore reaches an idle silo on
-average 1.5 s late and its reply leaves up to 0.5 s late; on the quick example over gRPC the
-shorter waits took about 1 s off each round (bench/RESULTS.md). This launcher runs Flower's
-own SuperNode unchanged except for those two waits, which it shortens to ``--idle-poll``
-seconds and a tenth of it, but not below 0.1 s (a reply then leaves at most 0.1 s late;
-checking faster only adds turns of the SuperNode's locked state scan). The idle wait counts
-from the previous poll's start: against a SuperLink that holds an empty poll until work
-arrives (:mod:`.superlink_launcher`, what ``dpcfl server`` runs) the silo asks again at once,
-against Flower's own SuperLink it polls every ``--idle-poll`` seconds. Everything else
-(gRPC, TLS, node authentication, retries) is Flower's code path.
+What a silo's process runs (``dpcfl client`` starts it; :mod:`.silo_file` builds the command):
 
-The waits are module-level ``time.sleep`` calls, so the launcher swaps that module's ``time``
-for one whose ``sleep`` maps Flower's two constants; it does so only for the Flower version it
-was written against (the launcher starts no SuperNode of another version, see below).
+  python -m dpcfl_flwr.deploy.supernode_launcher [--clientapp warm|per-message]
+      [--idle-poll 0.5] <flower-supernode arguments>
 
-The SuperNode answers its ClientApp tasks from its own process (:mod:`.direct_runtime`, flwr
-1.39.0 only; the launcher refuses to start on another version), for FABs that ship the app
-installed on the silo only (:mod:`.app_pin`): ``--clientapp warm`` (the default) with one
-ClientApp loaded in the process, ``--clientapp per-message`` with a fresh ``flwr-clientapp``
-per trusted task. Flower's SuperExec, which would run any FAB's code, is never started (the
-SuperNode runs with ``--isolation process``; ``--isolation subprocess`` and runtime
-dependency installation are refused). Its reply wait ends as soon as the task is done, and
-between checks it waits Flower's 0.5 s, a safety net only (checking every 0.1 s through a 3 s
-round woke the loop 30 times per message, ~4 ms of CPU, bench/RESULTS.md). The SuperNode's
-local Runtime API (uvicorn) ticks once a second instead of ten times, and its gRPC channel
-goes without the connectivity subscription Flower makes only to log changes at DEBUG (gRPC
-polls the channel five times a second for it): 21 idle silos' ticks and polls were CPU that
-the training silos on the same cores did not get.
+It starts Flower's own SuperNode through :mod:`dpcfl_flwr.flower_compat.supernode`, where
+every reach into Flower's internals lives: the SuperNode answers its ClientApp tasks from its
+own process, for FABs that ship the app installed on the silo only (the app pin,
+:mod:`dpcfl_flwr.app_pin`): ``--clientapp warm`` (the default) with one ClientApp loaded in
+the process, ``--clientapp per-message`` with a fresh ``flwr-clientapp`` per trusted task.
+Flower's SuperExec, which would run any FAB's code, is never started (the SuperNode runs with
+``--isolation process``; ``--isolation subprocess`` and runtime dependency installation are
+refused). While the gate of :mod:`dpcfl_flwr.flower_compat` is open, an idle silo polls every
+``--idle-poll`` seconds (Flower's: 3 s), its reply leaves as soon as the ClientApp is done,
+and a silo restarted after a crash rejoins at once.
 
-A silo restarted after a crash rejoins at once: the SuperNode keeps its open session's node
-id in the Flower home and, finding it at the next start, ends that stale session itself
-before it asks to be activated (:class:`SessionMemory`); Flower's SuperLink would otherwise
-refuse it until the old session's heartbeat expires (~60 s).
+The pin needs Flower's SuperNode internals, so on a Flower release other than
+``flower_compat.SUPPORTED_FLOWER`` this launcher refuses to start (exit status 2) instead of
+running a silo that would run any FAB; ``DPCFL_FLOWER_TUNING=0`` gives up the latency tuning
+only, never the pin.
 
 When the SuperNode has finished (Flower's graceful exit on SIGTERM included), the launcher
 ends the process with ``os._exit``: when the SuperLink went away at the same moment, a gRPC
 channel's finaliser could block the interpreter's shutdown for good (seen here: orphaned
 SuperNodes stuck in ``Channel.__del__`` after a deployment was torn down, and Flower's own
 force-exit thread cannot run once the interpreter is finalising).
-
-  python -m dpcfl_flwr.deploy.supernode_launcher [--clientapp warm|per-message]
-      [--idle-poll 0.5] <flower-supernode arguments>
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import hashlib
-import importlib
-import json
 import logging
 import os
 import sys
-import threading
-import time
-import traceback
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+from ..flower_compat import SUPPORTED_FLOWER, installed_flower, pin_supported
+from .processes import exit_code_of
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
 
-PATCHED_FLOWER = "1.39.0"
-FLOWER_IDLE_WAIT = 3.0  # seconds Flower sleeps after a poll that brought no message
-FLOWER_REPLY_WAIT = 0.5  # seconds between its checks for the ClientApp's reply
-DEFAULT_IDLE_POLL = 0.5
-MIN_REPLY_POLL = 0.1
-RUNTIME_API_TICK = 1.0  # seconds; uvicorn's own: 0.1
-
-
-class ShortWaits:
-    """Stands in for the ``time`` module inside Flower's SuperNode loop: every attribute is
-    the real one except ``sleep``, which shortens Flower's two fixed waits."""
-
-    def __init__(self, idle_poll: float, reply_stored: threading.Event | None = None) -> None:
-        if idle_poll <= 0:
-            raise ValueError(f"idle poll must be positive, got {idle_poll}")
-        self.idle_poll = idle_poll
-        self.reply_poll = min(FLOWER_REPLY_WAIT, max(MIN_REPLY_POLL, idle_poll / 10))
-        self.reply_stored = reply_stored
-        self._idle_wait_ended = time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds == FLOWER_IDLE_WAIT:
-            # Polls start at most every idle_poll s: a SuperLink that held the empty poll
-            # (:mod:`.superlink_launcher`) has already made the silo wait, so ask again now.
-            since_last_wait = time.monotonic() - self._idle_wait_ended
-            time.sleep(max(0.0, self.idle_poll - since_last_wait))
-            self._idle_wait_ended = time.monotonic()
-            return
-        if seconds == FLOWER_REPLY_WAIT:
-            if self.reply_stored is not None:  # an in-process ClientApp says when it is done
-                self.reply_stored.wait(FLOWER_REPLY_WAIT)
-                self.reply_stored.clear()
-                return
-            seconds = self.reply_poll
-        time.sleep(seconds)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(time, name)
-
-
-def shorten_waits(loop: ModuleType, version: str, idle_poll: float,
-                  reply_stored: threading.Event | None = None) -> bool:
-    """Install :class:`ShortWaits` in Flower's SuperNode loop module; False (and nothing
-    changed) when this is not the Flower version whose waits we know."""
-    if version != PATCHED_FLOWER or getattr(loop, "time", None) is not time:
-        return False
-    loop.time = ShortWaits(idle_poll, reply_stored)  # type: ignore[attr-defined]
-    return True
-
-
-def skip_connectivity_watch(connection: ModuleType, version: str) -> bool:
-    """Leave out the SuperNode's subscription to its gRPC channel's connectivity; False
-    (nothing changed) on another Flower version. Flower subscribes only to log each change
-    at DEBUG, and gRPC serves a subscription with a thread that asks the channel for its state
-    five times a second for the channel's whole life: with polls held by the SuperLink
-    (:mod:`.superlink_launcher`), the largest part of an idle silo's CPU."""
-    create = getattr(connection, "create_channel", None)
-    if version != PATCHED_FLOWER or create is None:
-        return False
-
-    def create_channel(*args: Any, **kwargs: Any) -> Any:
-        channel = create(*args, **kwargs)
-        channel.subscribe = _no_subscription
-        return channel
-
-    connection.create_channel = create_channel  # type: ignore[attr-defined]
-    return True
-
-
-def _no_subscription(callback: Callable[..., object], try_to_connect: bool = False) -> None:
-    """A channel's ``subscribe`` that subscribes nobody (see skip_connectivity_watch)."""
-
-
-class SessionMemory:
-    """A gRPC client interceptor that keeps this silo's open session in a file: the node id,
-    written when the SuperLink activates the node, removed when the SuperNode deactivates it
-    on its way out. A file found at the next activation means that the SuperNode before
-    ended without that goodbye (killed, crashed, its machine lost), and the SuperLink would
-    refuse the restarted silo until the old session expires (Flower 1.39: two missed 30 s
-    heartbeats, ~60 s). The silo then ends that session itself (``DeactivateNode``, signed
-    with its own key like every request; a SuperLink admits it for that key's node only)
-    and is activated at once. Another instance of the silo elsewhere has no such file and is
-    still refused while this one is connected."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.channel: Any = None  # the channel this interceptor is part of (set after)
-
-    def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any],
-                              call_details: Any, request: Any) -> Any:
-        method = call_details.method.rsplit("/", 1)[-1]
-        if method == "ActivateNode":
-            self._end_previous_session()
-        outcome = continuation(call_details, request)
-        if outcome.exception() is None:
-            with contextlib.suppress(OSError):  # unwritable: Flower's own wait after a crash
-                if method == "ActivateNode":
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self.path.write_text(json.dumps({"node-id": outcome.result().node_id}))
-                elif method == "DeactivateNode":
-                    self.path.unlink(missing_ok=True)
-        return outcome
-
-    def _end_previous_session(self) -> None:
-        import grpc
-        from flwr.proto.fleet_pb2 import DeactivateNodeRequest  # pylint: disable=E0611
-        from flwr.proto.fleet_pb2_grpc import FleetStub  # pylint: disable=E0611
-
-        try:
-            node_id = int(json.loads(self.path.read_text())["node-id"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        try:
-            FleetStub(self.channel).DeactivateNode(DeactivateNodeRequest(node_id=node_id),
-                                                   timeout=10)
-        except grpc.RpcError:  # not open any more, or not this SuperLink's node: nothing to end
-            return
-        print(f"dpcfl: ended this silo's previous session (node {node_id}), left open by a "
-              "SuperNode that did not say goodbye", file=sys.stderr, flush=True)
-
-
-def remember_session(connection: ModuleType, version: str, path: Path) -> bool:
-    """Give the SuperNode's gRPC channel a :class:`SessionMemory` keeping ``path``; False
-    (nothing changed) on another Flower version."""
-    import grpc
-
-    create = getattr(connection, "create_channel", None)
-    if version != PATCHED_FLOWER or create is None:
-        return False
-
-    class Memory(SessionMemory, grpc.UnaryUnaryClientInterceptor):  # grpc: only when used
-        pass
-
-    def create_channel(*args: Any, **kwargs: Any) -> Any:
-        memory = Memory(path)
-        kwargs["interceptors"] = [*(kwargs.get("interceptors") or ()), memory]
-        memory.channel = create(*args, **kwargs)
-        return memory.channel
-
-    connection.create_channel = create_channel  # type: ignore[attr-defined]
-    return True
-
-
-def session_file(flower_arguments: Sequence[str], flower_home: Path) -> Path | None:
-    """Where a silo keeps its open session (:class:`SessionMemory`): in the Flower home
-    (``$FLWR_HOME``, ``~/.flwr``), one file per SuperLink address and node key; None without
-    a node key (Flower then makes a new key, and a new node, at every start)."""
-    options = dict(zip(flower_arguments, flower_arguments[1:], strict=False))
-    key = options.get("--auth-supernode-private-key")
-    if key is None:
-        return None
-    identity = f"{options.get('--superlink', '')} {Path(key).resolve()}".encode()
-    return flower_home / "dpcfl-sessions" / f"{hashlib.sha256(identity).hexdigest()[:16]}.json"
-
-
-def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK) -> bool:
-    """Make uvicorn's housekeeping tick (10 Hz: exit flag, Date header) of the SuperNode's
-    local Runtime API run every ``seconds``; False (nothing changed) when ``server_class`` is
-    not the uvicorn ``Server`` we know. The tick only decides how soon the API notices that it
-    should stop; requests are served by the event loop as they come."""
-    if not callable(getattr(server_class, "on_tick", None)) or not hasattr(server_class,
-                                                                           "main_loop"):
-        return False
-
-    async def main_loop(self: Any) -> None:
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + 10) % 864000  # a multiple of 10: uvicorn's "once a second"
-            await asyncio.sleep(seconds)
-
-    server_class.main_loop = main_loop
-    return True
+DEFAULT_IDLE_POLL = 0.5  # seconds between an idle silo's polls
 
 
 def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -265,35 +69,18 @@ def unpinned_options(flower_arguments: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import flwr
-    import uvicorn
-    from flwr.supernode import start_client_internal as loop
-    from flwr.supernode.cli import flower_supernode
-
     options, rest = split_arguments(sys.argv[1:] if argv is None else argv)
-    if flwr.__version__ != PATCHED_FLOWER:
-        _refuse(f"the app pin needs flwr {PATCHED_FLOWER}'s SuperNode, not {flwr.__version__}")
+    if not pin_supported():
+        _refuse(f"the app pin needs flwr {SUPPORTED_FLOWER}'s SuperNode, "
+                f"not {installed_flower()}")
     if unpinned := unpinned_options(rest):
         _refuse(f"{', '.join(unpinned)} would run code other than the installed app")
-    slow_runtime_api_tick(uvicorn.Server)
-    connection = importlib.import_module("flwr.client.grpc_rere_client.connection")
-    skip_connectivity_watch(connection, flwr.__version__)
-    from flwr.supercore.utils import get_flwr_home
+    from ..flower_compat.supernode import run_supernode
 
-    if (session := session_file(rest, get_flwr_home())) is not None:
-        remember_session(connection, flwr.__version__, session)
-    reply_stored = threading.Event()
-    shorten_waits(loop, flwr.__version__, options.idle_poll, reply_stored)
-    print(f"dpcfl: SuperNode polls the SuperLink every {options.idle_poll:g} s when idle "
-          f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
-    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
-
-    from .direct_runtime import serve_in_supernode  # noqa: PLC0415 (reads the installed app)
     _show_our_logs()
-    serve_in_supernode(cli, loop, _load_client_app, reply_stored,
-                       per_message=options.clientapp == "per-message")
-    sys.argv = ["flower-supernode", "--isolation", "process", *rest]
-    code = exit_code_of(flower_supernode)
+    code = exit_code_of(lambda: run_supernode(rest, options.idle_poll,
+                                              options.clientapp == "per-message",
+                                              _load_client_app))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # not the interpreter's shutdown: see the module docstring
@@ -316,22 +103,6 @@ def _show_our_logs() -> None:
 def _load_client_app() -> ClientApp:
     from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch, only when it is needed)
     return app
-
-
-def exit_code_of(run: Callable[[], object]) -> int:
-    """Run ``run`` to its end and say how the process should exit: the code a ``SystemExit``
-    carries (Flower exits that way, also on signals), 1 after printing any other error."""
-    try:
-        run()
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:  # noqa: BLE001 - reported here, the process ends right after
-        traceback.print_exc()
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,10 +28,11 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 logger = logging.getLogger("dpcfl_flwr")
 
@@ -42,6 +43,13 @@ SWITCH = "DPCFL_FLOWER_TUNING"
 #: Flower 1.39's largest array chunk in bytes (``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``: 5 MiB,
 #: overridden by the environment variable of that name), used while the gate is closed.
 FALLBACK_ARRAY_CHUNK_BYTES = 5 * 2**20
+#: ``flower-superlink --database`` for a state kept in memory (Flower 1.39's CLI value).
+IN_MEMORY_DATABASE = ":flwr-in-memory:"
+#: Said to a SuperNode whose activation is refused (Flower's own answer is only "Failed to
+#: activate SuperNode." in both cases, the reason only in the SuperLink's log; see
+#: :mod:`.superlink`). A silo's supervisor reads these words (``dpcfl client``): keep them.
+KEY_NOT_REGISTERED = "this SuperNode's public key is not registered with the SuperLink"
+NODE_ONLINE = "a SuperNode with this public key is online"
 
 
 def installed_flower() -> str | None:
@@ -50,6 +58,12 @@ def installed_flower() -> str | None:
         return importlib.metadata.version("flwr")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def pin_supported() -> bool:
+    """Whether the installed Flower is the one whose SuperNode internals the app pin uses.
+    Not switched off by :data:`SWITCH`: without the pin a silo does not start at all."""
+    return installed_flower() == SUPPORTED_FLOWER
 
 
 def _gate() -> bool:
@@ -138,6 +152,31 @@ def run_simulation(*, num_supernodes: int, server_app: str, client_app: str,
                          backend_config=backend_config, verbose=verbose)
 
 
-__all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "SUPPORTED_FLOWER", "SWITCH", "TUNING",
-           "array_chunk_size", "in_process_grid", "installed_flower", "run_simulation",
-           "signals_left_to_caller", "wait_for_replies"]
+def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
+    """Run ``flower-superlink <flower_arguments>`` in this process: with the tuning on,
+    holding an empty SuperNode poll up to ``pull_hold`` seconds (:mod:`.superlink`); without
+    it, stock Flower (its ``flower-superlink`` console script). Returns or raises SystemExit
+    as Flower's SuperLink does."""
+    if TUNING:
+        from .superlink import run_superlink as run_tuned_superlink
+
+        run_tuned_superlink(flower_arguments, pull_hold)
+        return
+    print("dpcfl: stock flower-superlink (Flower tuning off): SuperNode polls are answered "
+          "at once", file=sys.stderr, flush=True)
+    sys.argv = ["flower-superlink", *flower_arguments]
+    flower_command("flower-superlink")()
+
+
+def flower_command(name: str) -> Callable[[], object]:
+    """The function behind Flower's console script ``name`` (its public command line)."""
+    found = importlib.metadata.entry_points(group="console_scripts", name=name)
+    if not found:
+        raise RuntimeError(f"the installed Flower has no command {name}")
+    return cast(Callable[[], object], next(iter(found)).load())
+
+
+__all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "IN_MEMORY_DATABASE", "KEY_NOT_REGISTERED",
+           "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "TUNING", "array_chunk_size",
+           "flower_command", "in_process_grid", "installed_flower", "pin_supported",
+           "run_simulation", "run_superlink", "signals_left_to_caller", "wait_for_replies"]

@@ -46,12 +46,17 @@ def server_app_with(app: ServerApp, run_config: Mapping[str, Any]) -> ServerApp:
 
 def client_app_with(app: ClientApp, run_config: Mapping[str, Any]) -> ClientApp:
     """A ClientApp that hands every train, evaluate and query message to ``app`` with
-    ``run_config`` in its context."""
+    ``run_config`` in its context (for that call: the node's own is put back after it)."""
     wrapped = ClientApp()
 
     def handle(message: Message, context: Context) -> Message:
-        context.run_config = dict(run_config)
-        return app(message, context)
+        # Flower checks after each call that the node's run config was left as it was.
+        flowers = context.run_config
+        context.run_config = {**flowers, **run_config}
+        try:
+            return app(message, context)
+        finally:
+            context.run_config = flowers
 
     wrapped.train()(handle)
     wrapped.evaluate()(handle)

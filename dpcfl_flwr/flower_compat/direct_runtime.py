@@ -25,7 +25,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
-from flwr.clientapp import ClientApp
+from . import SUPPORTED_FLOWER, pin_supported
+
+if not pin_supported():  # the gate runs before the internal imports below
+    raise ImportError(f"{__name__} is written for flwr {SUPPORTED_FLOWER}'s internals")
+
+from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.proto.message_pb2 import (  # pylint: disable=E0611
     ConfirmMessageReceivedRequest,
     ConfirmMessageReceivedResponse,
@@ -52,7 +57,7 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.nodestate import NodeState, NodeStateFactory
 from flwr.supernode.servicer.runtime import runtime_handlers as handlers
 
-from . import app_pin
+from .. import app_pin
 from .warm_runtime import WOKEN_POLL_SECONDS, FabCheck, WarmRuntime
 
 logger = logging.getLogger(__name__)
@@ -137,7 +142,8 @@ def direct_link(state_factory: NodeStateFactory) -> Callable[[str | None], Runti
 def fab_check(state_factory: NodeStateFactory) -> FabCheck:
     """For :class:`~.warm_runtime.WarmRuntime`: a task's FAB, read from the SuperNode's state
     without taking the task, and why it must not run here (None: it is the installed app,
-    :mod:`.app_pin`). A run or FAB the state does not hold raises (the task is refused)."""
+    :mod:`dpcfl_flwr.app_pin`). A run or FAB the state does not hold raises (the task is
+    refused)."""
     def check(task: Task) -> tuple[str, str | None]:
         state = state_factory.state()
         run = state.get_run(task.run_id)
@@ -182,7 +188,7 @@ def serve_in_supernode(cli: ModuleType, loop: ModuleType, load_app: Callable[[],
     from the SuperNode's state: warm, or with ``per_message`` a fresh ``flwr-clientapp`` per
     trusted task (which reaches the Runtime API over HTTP). It is woken as soon as the loop
     has stored a message, and sets ``reply_stored`` when a task is done, for the loop's reply
-    wait (see :mod:`.supernode_launcher`).
+    wait (see :mod:`.supernode`).
     """
     start_api = getattr(cli, "_start_supernode_http_api")  # noqa: B009 - Flower 1.39's
     pull_and_store = getattr(loop, "_pull_and_store_message")  # noqa: B009

@@ -15,8 +15,8 @@ API on the same state, and Flower's own error translation when the handler fails
 it cannot answer that way (another content type, a body that does not parse, an incompatible
 caller, a missing or unknown token) goes through Flower's full app before any handler has
 run, so Flower gives its own answer or error. Any other request goes through Flower's app
-untouched. It is installed only on the Flower version it was written against, and only when
-no middleware of an extension or an event-log plugin would have seen these requests.
+untouched. It is installed only while the tuning is on (:mod:`dpcfl_flwr.flower_compat`), and
+only when no middleware of an extension or an event-log plugin would have seen these requests.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
-
-from .supernode_launcher import PATCHED_FLOWER
 
 RUNTIME_PREFIX = "/v1/runtime/"
 # route -> (request type name in flwr.proto.message_pb2, handler name in Flower's handlers)
@@ -147,12 +145,15 @@ class ObjectRequestsFastPath:
 
 def install() -> bool:
     """Put the fast path around the app ``flower-superlink`` serves; False (nothing changed)
-    on another Flower version, or when an extension or event-log plugin is configured."""
-    import flwr
+    with the tuning off, or when an extension or event-log plugin is configured."""
+    from . import TUNING
+
+    if not TUNING:
+        return False
     from flwr.superlink import extensions
     from flwr.superlink import main as superlink_main
 
-    if flwr.__version__ != PATCHED_FLOWER or extensions.get_middleware():
+    if extensions.get_middleware():
         return False
     create_app = superlink_main.create_app
 

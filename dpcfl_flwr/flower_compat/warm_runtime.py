@@ -4,9 +4,9 @@ Flower 1.39's SuperExec starts a fresh ``flwr-clientapp`` process for every mess
 process runs whatever code the FAB ships; the FAB comes from the server, which a silo does not
 trust. :class:`WarmRuntime` takes the SuperExec's place next to ``flower-supernode --isolation
 process``: it acquires the SuperNode's tasks over the Runtime API and first checks each task's
-FAB against the app installed on the silo (:mod:`.app_pin`). A task whose FAB ships other code
-is refused: its message is answered with an Error (``INVALID_FAB``, the reason) and nothing of
-the FAB runs. A trusted task is answered
+FAB against the app installed on the silo (:mod:`dpcfl_flwr.app_pin`). A task whose FAB ships
+other code is refused: its message is answered with an Error (``INVALID_FAB``, the reason) and
+nothing of the FAB runs. A trusted task is answered
 
 - warm (the default): with Flower's own task I/O (``flwr.supernode.runtime.run_clientapp``)
   by the ClientApp loaded in this process, so imports, the loaded ClientApp and the silo's
@@ -18,7 +18,7 @@ the FAB runs. A trusted task is answered
 The Context (with the ledger record) still arrives with every task, and the ledger on disk is
 written exactly as before. A silo runs the runtime inside its SuperNode's process
 (:mod:`.direct_runtime`, what ``dpcfl client`` starts), where the FAB is read from the
-SuperNode's state before the task is taken; ``python -m dpcfl_flwr.deploy.warm_runtime`` runs
+SuperNode's state before the task is taken; ``python -m dpcfl_flwr.flower_compat.warm_runtime`` runs
 a warm runtime as a process of its own, over the SuperNode's local HTTP API, and checks the FAB
 that comes with the task's input before the ClientApp sees the message.
 """
@@ -34,7 +34,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from flwr.app import Context, Error, Message
+from . import SUPPORTED_FLOWER, pin_supported
+
+if not pin_supported():  # the gate runs before the internal imports below
+    raise ImportError(f"{__name__} is written for flwr {SUPPORTED_FLOWER}'s internals")
+
+from flwr.app import Context, Error, Message  # noqa: E402
 from flwr.clientapp import ClientApp
 from flwr.common.constant import FAB_HASH_TRUNCATION, ErrorCode, SubStatus
 from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
@@ -55,7 +60,7 @@ from flwr.supernode.runtime.run_clientapp import (
     push_task_output,
 )
 
-from . import app_pin
+from .. import app_pin
 from .environment import flower_tool
 
 logger = logging.getLogger(__name__)
@@ -220,7 +225,7 @@ class WarmRuntime:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dpcfl_flwr.deploy.warm_runtime",
+    parser = argparse.ArgumentParser(prog="python -m dpcfl_flwr.flower_compat.warm_runtime",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-api-address", required=True,
                         help="The SuperNode's Runtime API, host:port.")

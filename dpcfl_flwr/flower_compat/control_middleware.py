@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .supernode_launcher import PATCHED_FLOWER
-
 CONTROL_PREFIX = "/v1/control/"
 
 
@@ -51,14 +49,15 @@ class ControlPathsOnly:
 
 def install() -> bool:
     """Wrap the Control-only middlewares of the app ``flwr.superlink.main`` builds; False
-    (nothing changed) on another Flower version, whose middlewares may act differently."""
-    import flwr
+    (nothing changed) with the tuning off: another Flower's middlewares may act differently."""
+    from . import TUNING
+
+    if not TUNING:
+        return False
     from flwr.superlink import main as superlink_main
     from flwr.superlink.routers.control import middlewares as control
     from starlette.middleware import Middleware
 
-    if flwr.__version__ != PATCHED_FLOWER:
-        return False
     acts_on: dict[Any, Callable[[dict[str, Any]], bool]] = {
         control.ControlSensitiveResponseMiddleware: _control_path,
         control.ControlAuthenticationMiddleware: _control_path,

@@ -1,0 +1,334 @@
+"""Flower 1.39's SuperLink answering a poll when there is complete work for the poller: the
+internals behind ``deploy/superlink_launcher.py``.
+
+A Flower 1.39 SuperNode asks the SuperLink for work with a unary ``PullMessages`` call and,
+when there is none, sleeps and asks again. Every poll is a TLS request with a
+node-authentication signature that both sides handle in Python (~6 ms of CPU together,
+bench/RESULTS.md "Idle deployment"), so frequent polls cost the training cores CPU, and rare
+polls make a round reach its silos late. This launcher runs Flower's own SuperLink with one
+change: a ``PullMessages`` that finds nothing for its node waits (up to ``--pull-hold``
+seconds) until an instruction for that node is stored *with all its objects* and then
+answers with it; otherwise it answers "nothing" when the hold runs out, as before. Neither
+side's protocol changes: a SuperNode of any 1.39 build simply sees a slow empty answer, and
+with :mod:`.supernode` it polls again at once.
+
+"All its objects": the ServerApp pushes a message (which stores it and opens an object push
+session) and then the message's objects. A SuperNode that pulled the message before the
+objects were in would get "object unavailable" and back off for a second, so the wait ends
+when the push session that carries the message's missing objects is complete, and a poll that
+arrives while its instruction is stored but still missing objects waits for them as well.
+
+The hold ends early when the call ends (the SuperNode went away, or the SuperLink is
+stopping), and then nothing is pulled: a message marked delivered to a caller that is gone
+would be lost.
+
+The ServerApp's side has the same race the other way round: Flower's Runtime API hands it a
+reply as soon as the reply message is stored, before the SuperNode has pushed the reply's
+objects, and Flower's ``Grid.pull_messages`` then backs off a second on the missing object
+with the poll's other replies waiting behind it. Here the ServerApp's ``pull_messages`` asks
+only for replies whose objects are all in and, when none is, waits up to 1 s for one (its
+HTTP client waits 30 s); a ServerApp that polls again at once then hears of every reply as it
+completes. Both changes patch Flower's classes only for the Flower version they were written
+against; on any other version, or with ``--pull-hold 0``, Flower's polling runs unchanged and
+the launcher says so. On flwr 1.39.0, whatever the hold, the ServerApp's requests also skip
+the Control API's middleware (:mod:`.control_middleware`), and a SuperNode whose activation
+is refused is told why, where Flower says only "Failed to activate SuperNode." and logs the
+reason on the SuperLink: its public key is not registered, or a node with its key is online
+(another instance of the silo, or its crashed previous session, with the seconds until that
+expires).
+
+All of it is latency tuning: :func:`run_superlink` installs it only while the gate of
+:mod:`dpcfl_flwr.flower_compat` is open, and otherwise runs stock ``flower-superlink``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import KEY_NOT_REGISTERED, NODE_ONLINE
+
+REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
+
+
+class Arrivals:
+    """What became complete (stored with all its objects) for whom: per SuperNode, a count of
+    its complete instructions; for the ServerApp, a count of complete replies and the
+    instructions whose reply is stored but still missing objects. A held pull waits for its
+    count to change. Objects arrive in a push session after the message that needs them, so
+    a message with missing objects becomes complete when its session ends."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count: dict[int, int] = defaultdict(int)  # per SuperNode
+        self._half_pushed: dict[int, int] = defaultdict(int)  # per SuperNode: objects to come
+        self._replies = 0
+        self._incomplete_replies: set[str] = set()  # instruction ids
+        self._on_session_end: dict[str, list[Callable[[], None]]] = defaultdict(list)
+
+    def seen(self, node_id: int) -> int:
+        with self._changed:
+            return self._count[node_id]
+
+    def replies_seen(self) -> int:
+        with self._changed:
+            return self._replies
+
+    def complete(self, instruction_ids: Sequence[str]) -> list[str]:
+        """The ids among ``instruction_ids`` whose reply is not half-pushed."""
+        with self._changed:
+            return [i for i in instruction_ids if i not in self._incomplete_replies]
+
+    def half_pushed(self, node_id: int) -> bool:
+        """Whether an instruction for ``node_id`` is stored while its objects are coming."""
+        with self._changed:
+            return self._half_pushed[node_id] > 0
+
+    def instruction_stored(self, node_id: int, session_id: str, missing: bool) -> None:
+        with self._changed:
+            def done() -> None:
+                if missing:
+                    self._half_pushed[node_id] -= 1
+                self._count[node_id] += 1
+            if missing:
+                self._half_pushed[node_id] += 1
+            self._settle(done, session_id if missing else None)
+
+    def reply_stored(self, instruction_id: str, session_id: str, missing: bool) -> None:
+        with self._changed:
+            def done() -> None:
+                self._incomplete_replies.discard(instruction_id)
+                self._replies += 1
+            if missing:
+                self._incomplete_replies.add(instruction_id)
+            self._settle(done, session_id if missing else None)
+
+    def _settle(self, done: Callable[[], None], session_id: str | None) -> None:
+        if session_id is None:
+            done()
+            self._changed.notify_all()
+        else:
+            self._on_session_end[session_id].append(done)
+
+    def session_ended(self, session_id: str) -> None:
+        with self._changed:
+            pending = self._on_session_end.pop(session_id, [])
+            for done in pending:
+                done()
+            if pending:
+                self._changed.notify_all()
+
+    def wake_all(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait(self, changed: Callable[[], bool], timeout: float) -> bool:
+        """Until ``changed()`` (called under the lock) or ``timeout`` s."""
+        with self._changed:
+            return self._changed.wait_for(changed, timeout)
+
+    def wait_for_node(self, node_id: int, seen: int, timeout: float,
+                      ended: Callable[[], bool]) -> bool:
+        return self.wait(lambda: self._count[node_id] != seen or ended(), timeout)
+
+    def wait_for_replies(self, seen: int, timeout: float) -> bool:
+        return self.wait(lambda: self._replies != seen, timeout)
+
+
+def announce_complete_messages(state_class: Any, arrivals: Arrivals,
+                               superlink_node_id: int) -> None:
+    """Make ``state_class`` (a LinkState) tell ``arrivals`` when a message is stored with
+    all its objects: at once when none is missing, else when the push session that brings
+    them ends."""
+    store = state_class.store_message_and_object_tree
+    end_session = state_class._cleanup_push_session
+    store_object = state_class.store_object
+    # A session ends inside the store_object call that brings its last object; with SQL
+    # state that call's transaction commits only when it returns, so the news waits for it.
+    calls = threading.local()
+
+    def store_message_and_object_tree(self: Any, message: Any, object_tree: Any,
+                                      session_id: str) -> tuple[bool, list[str]]:
+        stored, missing = store(self, message, object_tree, session_id)
+        metadata = message.metadata
+        if stored and metadata.reply_to_message_id:
+            arrivals.reply_stored(metadata.reply_to_message_id, session_id, bool(missing))
+        elif stored and metadata.dst_node_id != superlink_node_id:
+            arrivals.instruction_stored(metadata.dst_node_id, session_id, bool(missing))
+        return stored, missing
+
+    def _cleanup_push_session(self: Any, session_id: str, *, cleanup_messages: bool) -> None:
+        end_session(self, session_id, cleanup_messages=cleanup_messages)
+        ended = getattr(calls, "ended", None)
+        if ended is None:
+            arrivals.session_ended(session_id)
+        else:
+            ended.append(session_id)
+
+    def store_object_then_announce(self: Any, *args: Any, **kwargs: Any) -> bool:
+        outermost = getattr(calls, "ended", None) is None
+        if outermost:
+            calls.ended = []
+        try:
+            return bool(store_object(self, *args, **kwargs))
+        finally:
+            if outermost:
+                ended, calls.ended = calls.ended, None
+                for session_id in ended:
+                    arrivals.session_ended(session_id)
+
+    state_class.store_message_and_object_tree = store_message_and_object_tree
+    state_class._cleanup_push_session = _cleanup_push_session
+    state_class.store_object = store_object_then_announce
+
+
+def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> None:
+    """Make ``servicer_class.PullMessages`` (the SuperNodes' Fleet API) wait up to ``hold`` s
+    for complete work instead of answering "nothing", or a half-pushed instruction, at once."""
+    from flwr.proto.fleet_pb2 import PullMessagesResponse  # pylint: disable=E0611
+
+    pull = servicer_class.PullMessages
+
+    def PullMessages(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        node_id = request.node.node_id
+        deadline = time.monotonic() + hold
+        ended, answered = threading.Event(), threading.Event()
+
+        def call_ended() -> None:  # gRPC calls it when the call ends, answered or not
+            ended.set()
+            if not answered.is_set():  # only a call still waiting needs the waiters woken
+                arrivals.wake_all()
+
+        context.add_callback(call_ended)
+        try:
+            while True:
+                seen = arrivals.seen(node_id)
+                left = deadline - time.monotonic()
+                # A half-pushed instruction pulled now would make the SuperNode back off a
+                # second on its first missing object: wait for the rest (at most the hold).
+                if left <= 0 or not arrivals.half_pushed(node_id):
+                    response = pull(self, request, context)
+                    if response.messages_list or left <= 0:
+                        return response
+                arrivals.wait_for_node(node_id, seen, left, ended.is_set)
+                if ended.is_set():  # nobody to deliver to: leave the message for the next poll
+                    return PullMessagesResponse()
+        finally:
+            answered.set()
+
+    servicer_class.PullMessages = PullMessages
+
+
+def hold_reply_pulls(handlers: Any, arrivals: Arrivals, hold: float) -> None:
+    """Make the ServerApp's ``pull_messages`` (Runtime API) hand over only replies stored
+    with all their objects (Flower's ServerApp backs off a second on a half-pushed one) and,
+    when none is ready, wait up to ``hold`` s for one."""
+    pull = handlers.pull_messages
+
+    def pull_messages(request: Any, state: Any, task: Any) -> Any:
+        deadline = time.monotonic() + hold
+        while True:
+            seen = arrivals.replies_seen()
+            ready = type(request)()
+            ready.CopyFrom(request)
+            del ready.message_ids[:]
+            ready.message_ids.extend(arrivals.complete(list(request.message_ids)))
+            response = pull(ready, state, task)
+            left = deadline - time.monotonic()
+            if response.messages_list or left <= 0:
+                return response
+            arrivals.wait_for_replies(seen, left)
+
+    handlers.pull_messages = pull_messages
+
+
+def activation_refusal(state: Any, public_key: bytes, now: float) -> str:
+    """Why a SuperNode with ``public_key`` cannot be activated, in words for its operator."""
+    node_id = state.get_node_id_by_public_key(public_key)
+    if node_id is None:
+        return (f"{KEY_NOT_REGISTERED} (or it was unregistered): its operator registers the "
+                "silo's .pub file (`dpcfl server --register`, `flwr supernode register`)")
+    info = list(state.get_node_info(node_ids=[node_id]))
+    if info and info[0].status == "online":
+        left = max(0.0, info[0].online_until - now)
+        return (f"{NODE_ONLINE} (node {node_id}): this silo runs elsewhere too, or its "
+                f"previous session, if it ended without a goodbye, expires in {left:.0f} s")
+    return f"node {node_id} of this public key is {info[0].status if info else 'unknown'}"
+
+
+def explain_refused_activations(servicer_class: Any) -> None:
+    """Make ``servicer_class.ActivateNode`` (the Fleet API) tell a refused SuperNode why:
+    its key is not registered, or a node with its key is online (and for how long)."""
+    from flwr.supercore.error import ApiErrorCode, FlowerError
+
+    activate = servicer_class.ActivateNode
+
+    def ActivateNode(self: Any, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        try:
+            return activate(self, request, context)
+        except FlowerError as error:
+            if error.code == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED:
+                error.public_details = activation_refusal(
+                    self.state_factory.state(), request.public_key, time.time())
+            raise
+
+    servicer_class.ActivateNode = ActivateNode
+
+
+def install(hold: float, reply_hold: float) -> bool:
+    """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
+    where nothing is changed, and with ``hold`` 0, where only refused activations are
+    explained)."""
+    from . import TUNING
+
+    if not TUNING:
+        return False
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+    from flwr.superlink.servicer.runtime import runtime_handlers
+
+    explain_refused_activations(FleetServicer)
+    if hold <= 0:
+        return False
+    arrivals = Arrivals()
+    for state_class in (InMemoryLinkState, SqlLinkState):
+        announce_complete_messages(state_class, arrivals, SUPERLINK_NODE_ID)
+    hold_empty_pulls(FleetServicer, arrivals, hold)
+    hold_reply_pulls(runtime_handlers, arrivals, reply_hold)
+    return True
+
+
+
+def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
+    """Run ``flower-superlink <flower_arguments>`` in this process with the patches above
+    (``pull_hold``: the longest wait of an empty SuperNode poll, s; 0 answers at once).
+    Returns or raises SystemExit as Flower's SuperLink does."""
+    from flwr.superlink.cli import flower_superlink
+
+    from . import control_middleware, runtime_fast_path
+
+    if install(pull_hold, REPLY_HOLD):
+        print(f"dpcfl: the SuperLink holds an empty SuperNode poll up to "
+              f"{pull_hold:g} s until work arrives", file=sys.stderr, flush=True)
+    else:
+        print(f"dpcfl: SuperNode polls are answered at once (--pull-hold {pull_hold:g})",
+              file=sys.stderr, flush=True)
+    if control_middleware.install():
+        print("dpcfl: Runtime API requests skip the Control API's middleware",
+              file=sys.stderr, flush=True)
+    if runtime_fast_path.install():
+        print("dpcfl: the ServerApp's object requests skip FastAPI's routing",
+              file=sys.stderr, flush=True)
+    sys.argv = ["flower-superlink", *flower_arguments]
+    flower_superlink()
+
+
+__all__ = ["REPLY_HOLD", "Arrivals", "activation_refusal", "announce_complete_messages",
+           "explain_refused_activations", "hold_empty_pulls", "hold_reply_pulls", "install",
+           "run_superlink"]
