@@ -1,0 +1,162 @@
+"""``dpcfl submit``: a run with a validated run config, followed to its end."""
+
+# ruff: noqa: B008 - Typer declares options as call defaults by design.
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from ..flower_compat.environment import flower_tool, use_this_environment
+from ..simulation import _toml_value
+from .runs import StreamWatch, final_status, follow_hint
+from .superlink import ServerSettings, write_connection
+from .supervision import (
+    STOP_GRACE_SECONDS,
+    console,
+    die_with_parent,
+    errors,
+    forward_signals,
+    stop,
+)
+
+
+def submit(
+    superlink: str = typer.Option(
+        "127.0.0.1:8000", "--superlink",
+        help="The SuperLink's control API host:port (`dpcfl server --api-address`, port "
+             "8000), not the Fleet API port silos dial (9092)."),
+    root_certificates: Path = typer.Option(
+        None, "--root-certificates", exists=True,
+        help="The CA certificate the SuperLink's certificate must chain to (certs/ca.crt)."),
+    insecure: bool = typer.Option(False, "--insecure",
+                                  help="No TLS (a SuperLink started with --insecure)."),
+    app_dir: Path = typer.Option(Path("."), "--app", help="The Flower app to run."),
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                help="TOML file of run-config keys (see examples/)."),
+    overrides: list[str] = typer.Option(None, "--set",
+                                        help="Override a run-config key: --set epsilon=5."),
+    stream: bool = typer.Option(
+        True, "--stream/--no-stream",
+        help="Follow the run's log until it ends and exit with its outcome (1 if it failed); "
+             "--no-stream: return once it has started."),
+) -> None:
+    """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
+    from ..simulation import load_config, parse_override
+
+    if not insecure and root_certificates is None:
+        stop(["TLS needs --root-certificates (or --insecure for local experiments)"])
+    try:
+        experiment = load_config(config, dict(parse_override(o) for o in overrides or []))
+    except (ValueError, OSError) as exc:
+        stop([str(exc)])
+        return
+    undeclared = _undeclared_keys(app_dir, experiment.to_run_config())
+    if undeclared:  # Flower would refuse the run with "Invalid run configuration" only
+        stop([f"the app in {app_dir} does not declare the run-config key(s) "
+               f"{', '.join(undeclared)} in \\[tool.flwr.app.config] of its pyproject.toml "
+               "(is it another version of dpcfl-flwr?)"])
+    settings = ServerSettings(insecure=insecure, api_address=superlink,
+                              connection=SUBMIT_CONNECTION)
+    settings.certs = None if root_certificates is None else root_certificates.parent
+    home = write_connection(settings, root_certificates).parent
+    run_config = home / "dpcfl-run-config.toml"
+    run_config.write_text("".join(f"{k} = {_toml_value(v)}\n"
+                                  for k, v in experiment.to_run_config().items()))
+    command = [flower_tool("flwr") or "flwr", "run", str(app_dir), SUBMIT_CONNECTION,
+               "--run-config", str(run_config)]
+    if stream:
+        command.append("--stream")
+    console.print(f"submitting {experiment.method} (E={experiment.num_server_rounds}, "
+                  f"{experiment.expected_clients} silos) to {superlink}")
+    os.environ.setdefault("FLWR_HOME", str(home))
+    use_this_environment()
+    code, watch, stopped = _follow(command)
+    hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
+    run = "the run" if watch.run_id is None else f"run {watch.run_id}"
+    if stopped:
+        errors.print(f"stopped following {run}; it goes on on the SuperLink ({hint})"
+                     if watch.run_id is not None else "stopped before the SuperLink said it "
+                     f"started the run; it may have ({hint})", highlight=False, markup=False)
+        raise typer.Exit(code=128 + signal.SIGINT)
+    if code != 0 or watch.run_id is None:
+        raise typer.Exit(code=code or 1)  # `flwr run` has said why
+    if not stream:
+        console.print(f"{run} started ({hint})", highlight=False, markup=False)
+        raise typer.Exit(code=0)
+    _end_with_outcome(watch)
+
+
+#: The Flower connection `dpcfl submit` writes into $FLWR_HOME/config.toml and runs with.
+SUBMIT_CONNECTION = "dpcfl-submit"
+
+
+def _follow(command: list[str]) -> tuple[int, StreamWatch, bool]:
+    """Run ``flwr run``, passing its output through while watching it for the run id and the
+    ServerApp's error line: (exit code, what was seen, stopped by Ctrl-C / SIGTERM)."""
+    # A child in a process group of its own, so a terminal's Ctrl-C reaches it once, from here;
+    # no stdin: in a background group a read would stop it instead of failing. Unbuffered: its
+    # output is a pipe, and the log stream must reach the terminal as it comes.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               text=True, bufsize=1, process_group=0,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=die_with_parent)
+    watch = StreamWatch()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            watch.see(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    stopped = forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
+    code = process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # anything it left in its group
+    reader.join(timeout=5)
+    return code, watch, stopped()
+
+
+def _end_with_outcome(watch: StreamWatch) -> None:
+    """Exit 0 if the followed run completed; otherwise 1, its one error line last."""
+    assert watch.run_id is not None
+    status = final_status(flower_tool("flwr") or "flwr", SUBMIT_CONNECTION, watch.run_id,
+                          os.environ)
+    hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
+    if status is None or not status.finished:
+        errors.print(f"[bold red]error:[/] the log stream of run {watch.run_id} ended but the "
+                     f"SuperLink does not say the run finished "
+                     f"({'no answer' if status is None else status.status}); "
+                     f"{escape(hint)}", highlight=False)
+        raise typer.Exit(code=1)
+    failure = status.failure(watch.app_error)
+    if failure is not None:
+        errors.print(f"[bold red]error:[/] run {watch.run_id} failed: {escape(failure)}",
+                     highlight=False)
+        raise typer.Exit(code=1)
+    console.print(f"run {watch.run_id} completed", highlight=False)
+
+
+def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
+    """The keys of ``run_config`` that the app's ``[tool.flwr.app.config]`` lacks."""
+    try:
+        with (app_dir / "pyproject.toml").open("rb") as handle:
+            declared = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return []  # not an app Flower can run either: `flwr run` says why
+    return sorted(set(run_config) - set(declared))
+
+
+__all__ = ["SUBMIT_CONNECTION", "submit"]
