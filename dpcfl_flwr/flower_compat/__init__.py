@@ -2,9 +2,14 @@
 
 Everything of Flower this package uses beyond its public API (``flwr.app``, ``flwr.serverapp``,
 ``flwr.clientapp``, ``flwr.simulation.run_simulation``) lives in the submodules of this
-package: the simulation engine's latency tuning (:mod:`.engine`), the SuperLink's and the
-SuperNode's launchers with their runtime shortcuts. The rest of ``dpcfl_flwr`` calls only the
-functions of this file, which import a submodule only after the gate said yes.
+package: the simulation engine's latency tuning (:mod:`.engine`; :mod:`.stock` is the same run
+on public Flower only), the SuperNode's and the SuperLink's patches (:mod:`.supernode`,
+:mod:`.superlink`, :mod:`.control_middleware`, :mod:`.runtime_fast_path`) and the silo's
+ClientApp runtimes that enforce the app pin (:mod:`.direct_runtime`, :mod:`.warm_runtime`).
+The rest of ``dpcfl_flwr`` calls only the functions of this file, which import a submodule
+only after the gate said yes (and a silo's launcher, ``deploy/supernode_launcher.py``, calls
+:func:`.supernode.run_supernode` once :func:`pin_supported` said yes). What each one changes
+and what a closed gate gives up: docs/deployment.md#flower-internals-one-package-one-gate.
 
 The gate, decided once when this module is first imported (before any internal import):
 
