@@ -11,26 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from . import registry
 from .data import Topology
+from .validation import ConfigError, ConfigModel, kebab, one_line_error
 
 
-class ConfigError(ValueError):
-    """A run or node config that cannot be used; its message is one line for people."""
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, populate_by_name=True,
-                              frozen=True)
-
-
-class ExperimentConfig(_Config):
+class ExperimentConfig(ConfigModel):
     """Everything the server proposes for a run (``[tool.flwr.app.config]`` + overrides).
 
     The keys here are every method's; each method's own parameters are its table
@@ -133,7 +121,7 @@ class ExperimentConfig(_Config):
         return flat
 
 
-class SiloConfig(_Config):
+class SiloConfig(ConfigModel):
     """A silo's own settings (node config, from its silo file).
 
     In deployment these are the only source of the silo's budget, ledger, data split, noise
@@ -196,7 +184,7 @@ class SiloConfig(_Config):
                                           / f"silo-{self.partition_id}.json"),
                           data_dir=experiment.data_dir)
         else:
-            missing = [_kebab(key) for key in DEPLOYMENT_REQUIRED if not getattr(self, key)]
+            missing = [kebab(key) for key in DEPLOYMENT_REQUIRED if not getattr(self, key)]
             if missing:
                 raise ConfigError(
                     f"node config: {', '.join(missing)} must be set in the silo's own node "
@@ -229,23 +217,6 @@ _SPLIT_KEYS = ("dataset", "clusters", "shift", "samples_per_client", "val_fracti
 DEPLOYMENT_REQUIRED = ("epsilon", "delta", "ledger_path")
 
 
-def _one_line(error: ValidationError, what: str, model: type[BaseModel],
-              table: str = "") -> ConfigError:
-    """One line for the first error of ``error``; ``table``: the method table it is from."""
-    first = error.errors()[0]
-    key = table + (".".join(str(part) for part in first["loc"]) or "?")
-    if first["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(table + (field.alias or _kebab(name))
-                                   for name, field in model.model_fields.items()
-                                   if not field.exclude))
-        return ConfigError(f"{what}: unknown key '{key}' (allowed keys: {allowed or 'none'})")
-    if first["type"] == "missing":
-        return ConfigError(f"{what}: '{key}' is missing")
-    value = first.get("input")
-    message = first["msg"].removeprefix("Value error, ")
-    return ConfigError(f"{what}: '{key}' = {value!r} is invalid: {message}")
-
-
 def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
     """Validate Flower's run config, method tables included (``<method>.<key>``: Flower
     flattens a TOML table ``[rdpcfl]`` to ``rdpcfl.<key>``); raises :class:`ConfigError`
@@ -268,7 +239,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
         try:
             methods[name] = params.model_validate(table)
         except ValidationError as exc:
-            raise _one_line(exc, "run config", params, f"{name}.") from None
+            raise one_line_error(exc, "run config", params, f"{name}.") from None
     for key in base:
         owners = sorted((name for name, cls in known.items() if _declares(cls.Params, key)),
                         key=lambda name: name != base.get("method", "rdpcfl"))
@@ -279,12 +250,12 @@ def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate({**base, "methods": methods})
     except ValidationError as exc:
-        raise _one_line(exc, "run config", ExperimentConfig) from None
+        raise one_line_error(exc, "run config", ExperimentConfig) from None
 
 
 def _declares(model: type[BaseModel], key: str) -> bool:
     """Whether ``model`` has a field whose config key is ``key``."""
-    return any(key == (field.alias or _kebab(name)) for name, field in model.model_fields.items())
+    return any(key == (field.alias or kebab(name)) for name, field in model.model_fields.items())
 
 
 def parse_node_config(raw: Mapping[str, Any]) -> SiloConfig:
@@ -292,4 +263,4 @@ def parse_node_config(raw: Mapping[str, Any]) -> SiloConfig:
     try:
         return SiloConfig.model_validate(dict(raw))
     except ValidationError as exc:
-        raise _one_line(exc, "node config", SiloConfig) from None
+        raise one_line_error(exc, "node config", SiloConfig) from None

@@ -7,38 +7,55 @@ class. The built-in methods are found by importing every module of the ``methods
 the first time the registry is read; a method defined elsewhere (a test, a user's package)
 registers itself by being imported.
 
-This module imports none of ours at load time: ``config`` reads it to validate a run config,
-and the methods import ``config`` for their parameter tables.
+This module imports none of ours: ``config`` reads it to validate a run config, and the
+methods, which read ``config``, register here.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
-if TYPE_CHECKING:
-    from .methods.base import Method
+from pydantic import BaseModel
 
-M = TypeVar("M", bound="type[Method]")
 
-_METHODS: dict[str, type[Method]] = {}
+class MethodClass(Protocol):
+    """What the registry and its readers use of a method's class
+    (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, two flags, and
+    the constructor ``(experiment, params, state)``."""
+
+    name: str
+    title: str
+    Params: type[BaseModel]
+    personal: bool
+    discovers_clusters: bool
+
+    def __call__(self, experiment: Any, params: Any, state: Any) -> Any: ...
+
+
+T = TypeVar("T", bound=type)
+
+_METHODS: dict[str, MethodClass] = {}
 _BUILTINS_LOADED = False
 
 
-def register(cls: M) -> M:
+def register(cls: T) -> T:
     """Class decorator: make ``cls`` runnable as ``method = cls.name``.
 
     Raises ValueError when another class already holds that name (two modules claiming one
     name would make a run's method depend on import order)."""
-    name = cls.name
+    name = cast(MethodClass, cls).name
     holder = _METHODS.get(name)
-    if holder is not None and holder is not cls and (
-            holder.__module__, holder.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(f"method name {name!r} is taken by {holder.__module__}."
-                         f"{holder.__qualname__}")
-    _METHODS[name] = cls
+    if holder is not None and _origin(holder) != _origin(cls):
+        raise ValueError(f"method name {name!r} is taken by {_origin(holder)}")
+    _METHODS[name] = cast(MethodClass, cls)
     return cls
+
+
+def _origin(cls: Any) -> str:
+    """Where a class is defined: the same class imported twice registers once."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def unregister(name: str) -> None:
@@ -56,7 +73,7 @@ def _load_builtins() -> None:
         importlib.import_module(f"dpcfl_flwr.methods.{module.name}")
 
 
-def methods() -> dict[str, type[Method]]:
+def methods() -> dict[str, MethodClass]:
     """Every registered method by name, built-ins first in the order their modules load."""
     _load_builtins()
     return dict(_METHODS)
@@ -66,7 +83,7 @@ def method_names() -> tuple[str, ...]:
     return tuple(methods())
 
 
-def method_class(name: str) -> type[Method]:
+def method_class(name: str) -> MethodClass:
     """The method called ``name``; ValueError naming the available ones otherwise."""
     known = methods()
     try:

@@ -14,8 +14,8 @@ from typing import Any, Literal
 from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from .config import ConfigError, _Config, _one_line
 from .protocol import CONFIG, OWN
+from .validation import ConfigError, ConfigModel, one_line_error
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
 MAX_ROUNDS = 100_000
@@ -33,9 +33,9 @@ def _batch(value: Any) -> str:
     return text
 
 
-class _Request(_Config):
+class _Request(ConfigModel):
     # Models travel as bytes fields of the same record: other keys are not read, so not refused.
-    model_config = ConfigDict(extra="ignore", alias_generator=_Config.model_config[
+    model_config = ConfigDict(extra="ignore", alias_generator=ConfigModel.model_config[
         "alias_generator"], populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
@@ -89,4 +89,4 @@ def parse_request(kind: type[_Request], message: Message) -> Any:
         return kind.model_validate({k: v for k, v in record.items()
                                     if not isinstance(v, bytes)})
     except ValidationError as exc:
-        raise BadRequest(str(_one_line(exc, what, kind))) from None
+        raise BadRequest(str(one_line_error(exc, what, kind))) from None

@@ -54,21 +54,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
-from ..config import (
-    ConfigError,
-    SiloConfig,
-    _Config,
-    _one_line,
-    parse_node_config,
-    parse_run_config,
-)
+from ..config import SiloConfig, parse_node_config, parse_run_config
 from ..flower_compat.environment import flower_tool
+from ..validation import ConfigError, ConfigModel, one_line_error
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
 
 
-class SiloFile(_Config):
+class SiloFile(ConfigModel):
     name: str = Field(min_length=1)
     superlink: str = "127.0.0.1:9092"
     root_certificates: str = ""
@@ -110,7 +104,7 @@ def load_silo_file(path: Path | None, overrides: Mapping[str, Any],
     try:
         silo = SiloFile.model_validate(raw)
     except ValidationError as exc:
-        raise _one_line(exc, f"silo file {path or '(flags)'}", SiloFile) from None
+        raise one_line_error(exc, f"silo file {path or '(flags)'}", SiloFile) from None
     return silo, parse_node_config(silo.node)
 
 

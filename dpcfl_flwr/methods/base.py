@@ -27,9 +27,9 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from ..aggregation import cluster_means
-from ..config import _Config
 from ..privacy.schedule import Schedule
 from ..protocol import WireModel
+from ..validation import ConfigModel
 
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 INITIAL = -2
 
 
-class MethodParams(_Config):
+class MethodParams(ConfigModel):
     """A method's own parameters; subclasses declare fields with defaults and bounds. Keys
     are kebab-case in config files (``n-clusters``), like every run-config key."""
 
