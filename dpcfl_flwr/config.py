@@ -242,7 +242,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
             raise one_line_error(exc, "run config", params, f"{name}.") from None
     for key in base:
         owners = sorted((name for name, cls in known.items() if _declares(cls.Params, key)),
-                        key=lambda name: name != base.get("method", "rdpcfl"))
+                        key=lambda name: name != base.get("method", _DEFAULT_METHOD))
         if key not in ExperimentConfig.model_fields and owners:
             raise ConfigError(f"run config: '{key}' is a method's parameter: set it in the "
                               f"method's table, e.g. '{owners[0]}.{key}' (a config file: "
@@ -251,6 +251,9 @@ def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
         return ExperimentConfig.model_validate({**base, "methods": methods})
     except ValidationError as exc:
         raise one_line_error(exc, "run config", ExperimentConfig) from None
+
+
+_DEFAULT_METHOD = ExperimentConfig.model_fields["method"].default
 
 
 def _declares(model: type[BaseModel], key: str) -> bool:
