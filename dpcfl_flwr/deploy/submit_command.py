@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 
 from ..flower_compat.environment import flower_tool, use_this_environment
-from ..simulation import _toml_value
+from ..simulation import _toml_value, flat_keys
 from .runs import StreamWatch, final_status, follow_hint
 from .superlink import ServerSettings, write_connection
 from .supervision import (
@@ -150,13 +150,14 @@ def _end_with_outcome(watch: StreamWatch) -> None:
 
 
 def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
-    """The keys of ``run_config`` that the app's ``[tool.flwr.app.config]`` lacks."""
+    """The keys of ``run_config`` that the app's ``[tool.flwr.app.config]`` lacks (its method
+    tables flattened as Flower flattens them: ``[...config.rdpcfl]`` declares ``rdpcfl.*``)."""
     try:
         with (app_dir / "pyproject.toml").open("rb") as handle:
             declared = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return []  # not an app Flower can run either: `flwr run` says why
-    return sorted(set(run_config) - set(declared))
+    return sorted(set(run_config) - set(flat_keys(declared)))
 
 
 __all__ = ["SUBMIT_CONNECTION", "submit"]

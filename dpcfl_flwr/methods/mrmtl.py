@@ -7,7 +7,7 @@ the personal models (from the silos' DP updates) and sends each silo its model a
 ``[mrmtl] variant = "correct"`` (default) adds lambda (theta_i - theta_bar) to the privatised
 gradient, which is data-independent and so free. ``"authors"`` reproduces the authors' code,
 where the term sits in the loss and Opacus' per-sample clipping drops it: the silos then train
-exactly as Local does (reported with the result, see README).
+exactly as Local does (reported with the result; docs/algorithm.md#mr-mtl).
 """
 
 from __future__ import annotations
