@@ -126,7 +126,6 @@ class RoundRobin(Method):
 
     def __init__(self, experiment: Any, params: Any, state: ServerState) -> None:
         super().__init__(experiment, params, state)
-        state.reset_models(params.n_clusters)
         self.seen: list[dict[int, TrainReply]] = []
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:

@@ -113,8 +113,8 @@ class Method(ABC):
     """A federated method's server-side decisions (see the module docstring).
 
     Subclasses set :attr:`name` (and register with :func:`dpcfl_flwr.registry.register`),
-    :attr:`Params` when they have parameters, size ``state.models`` in ``__init__`` and
-    implement :meth:`assign` and :meth:`current_cluster`."""
+    :attr:`Params` when they have parameters, and implement :meth:`assign` and
+    :meth:`current_cluster`; :meth:`initial_clusters` sizes the server's models."""
 
     #: The run-config value ``method = <name>`` and the name of its parameter table.
     name: ClassVar[str]
@@ -133,6 +133,12 @@ class Method(ABC):
         self.experiment = experiment
         self.params = params
         self.state = state
+        state.reset_models(self.initial_clusters())
+
+    def initial_clusters(self) -> int:
+        """M at the start of the run, each model theta_init: the table's ``n-clusters`` when
+        it has one, else none (silos keep their models, or the method adds them)."""
+        return int(getattr(self.params, "n_clusters", 0))
 
     @property
     def n_clusters(self) -> int:

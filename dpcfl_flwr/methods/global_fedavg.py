@@ -8,9 +8,8 @@ server averages their updates with uniform weights.
 
 from __future__ import annotations
 
-from ..config import ExperimentConfig
 from ..registry import register
-from .base import Method, MethodParams, ServerState
+from .base import Method
 
 
 @register
@@ -18,10 +17,8 @@ class GlobalDPFedAvg(Method):
     name = "global"
     title = "DP-FedAvg: one model for every silo"
 
-    def __init__(self, experiment: ExperimentConfig, params: MethodParams,
-                 state: ServerState) -> None:
-        super().__init__(experiment, params, state)
-        state.reset_models(1)
+    def initial_clusters(self) -> int:
+        return 1
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return dict.fromkeys(partitions, 0)

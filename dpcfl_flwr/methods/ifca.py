@@ -38,7 +38,6 @@ class DPIFCA(Method):
     def __init__(self, experiment: ExperimentConfig, params: IFCAParams,
                  state: ServerState) -> None:
         super().__init__(experiment, params, state)
-        state.reset_models(params.n_clusters)
         self.choice: dict[int, int] = {}
 
     def schedule(self) -> Schedule:

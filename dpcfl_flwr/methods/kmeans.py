@@ -35,7 +35,6 @@ class KMeansCFL(Method):
     def __init__(self, experiment: ExperimentConfig, params: KMeansParams,
                  state: ServerState) -> None:
         super().__init__(experiment, params, state)
-        state.reset_models(params.n_clusters)
         self.labels: dict[int, int] = {}
 
     def silos_needed(self) -> int:

@@ -7,9 +7,8 @@ schedule at eps_total, no selection. Unlike the authors' code, round 1 is traine
 
 from __future__ import annotations
 
-from ..config import ExperimentConfig
 from ..registry import register
-from .base import Method, MethodParams, ServerState
+from .base import Method
 
 
 @register
@@ -17,10 +16,8 @@ class OracleDPCFL(Method):
     name = "oracle"
     title = "O-DPCFL: clustered DP-FL told the true clusters (evaluation only)"
 
-    def __init__(self, experiment: ExperimentConfig, params: MethodParams,
-                 state: ServerState) -> None:
-        super().__init__(experiment, params, state)
-        state.reset_models(experiment.topology.num_clusters)
+    def initial_clusters(self) -> int:
+        return self.experiment.topology.num_clusters
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return {p: self.current_cluster(p) for p in partitions}

@@ -83,7 +83,6 @@ class RDPCFL(Method):
     def __init__(self, experiment: ExperimentConfig, params: RDPCFLParams,
                  state: ServerState) -> None:
         super().__init__(experiment, params, state)
-        state.reset_models(self.params.n_clusters or self.params.max_clusters)
         self.pi: dict[int, np.ndarray] = {}
         self.choice: dict[int, int] = {}
         self.clustering: ClusteringOutcome | None = None
@@ -95,6 +94,10 @@ class RDPCFL(Method):
         return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size,
                         p.first_round_batch, p.select_rounds(e.num_server_rounds),
                         p.select_ratio, e.conversion, e.budget_mode)
+
+    def initial_clusters(self) -> int:
+        """M, or (M chosen after round 1) the most it may be: round 1 sends theta_init."""
+        return self.params.n_clusters or self.params.max_clusters
 
     def select_window(self) -> range:
         """Rounds with private selection: E_c+1 .. E_c+T_sel (exactly T_sel run and charged,
