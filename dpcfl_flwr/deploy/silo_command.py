@@ -5,12 +5,8 @@ budget, ledger and records and runs only the app installed here."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +19,14 @@ from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
 from ..flower_compat.environment import use_this_environment
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .supervision import (
-    STOP_GRACE_SECONDS,
     console,
     die_with_parent,
     errors,
-    forward_signals,
     print_plan,
     signalled,
     stop,
     stop_if,
+    wait_passing_output,
 )
 
 
@@ -261,16 +256,10 @@ def _run_supernode(command: list[str], quiet: bool = False) -> _SuperNodeLife:
             else:
                 held.append(line)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    stopped = forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
-    code = process.wait()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    reader.join(timeout=5)
+    code, stopped = wait_passing_output(process, pump)
     if held and not refused:  # it ended for another reason: that must be seen
         sys.stdout.writelines(held)
-    return _SuperNodeLife(code, _refusal(refused) if refused else None, stopped())
+    return _SuperNodeLife(code, _refusal(refused) if refused else None, stopped)
 
 
 def _refusal(lines: list[str]) -> str:

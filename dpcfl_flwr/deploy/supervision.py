@@ -84,6 +84,20 @@ def forward_signals(process: subprocess.Popen, group: bool = False,
     return lambda: bool(received)
 
 
+def wait_passing_output(process: subprocess.Popen, pump: Callable[[], None]) -> tuple[int, bool]:
+    """Run ``pump`` (it passes the child's output on) while ``process`` runs in a group of its
+    own, with signals forwarded (:func:`forward_signals`, :data:`STOP_GRACE_SECONDS`); kill
+    what it leaves in its group. (exit code, stopped by SIGINT / SIGTERM)."""
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    stopped = forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
+    code = process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # anything it left in its group
+    reader.join(timeout=5)
+    return code, stopped()
+
+
 def die_with_parent() -> None:
     """Linux: SIGTERM this child when the supervisor dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
@@ -91,4 +105,4 @@ def die_with_parent() -> None:
 
 
 __all__ = ["STOP_GRACE_SECONDS", "console", "die_with_parent", "errors", "forward_signals",
-           "print_plan", "signalled", "stop", "stop_if"]
+           "print_plan", "signalled", "stop", "stop_if", "wait_passing_output"]

@@ -71,6 +71,14 @@ def pin_supported() -> bool:
     return installed_flower() == SUPPORTED_FLOWER
 
 
+def require_pin(module: str) -> None:
+    """Raise ImportError in ``module`` (a runtime of the app pin) unless :func:`pin_supported`:
+    its imports of Flower's internals would fail, or worse, bind to other behaviour."""
+    if not pin_supported():
+        raise ImportError(f"{module} is written for flwr {SUPPORTED_FLOWER}'s internals, "
+                          f"not {installed_flower()}")
+
+
 def _gate() -> bool:
     """Whether the tuning is on; logs one line when it is not."""
     if os.environ.get(SWITCH, "1").strip() == "0":
@@ -183,5 +191,5 @@ def flower_command(name: str) -> Callable[[], object]:
 
 __all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "IN_MEMORY_DATABASE", "KEY_NOT_REGISTERED",
            "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "TUNING", "array_chunk_size",
-           "flower_command", "in_process_grid", "installed_flower", "pin_supported",
+           "flower_command", "in_process_grid", "installed_flower", "pin_supported", "require_pin",
            "run_simulation", "run_superlink", "signals_left_to_caller", "wait_for_replies"]

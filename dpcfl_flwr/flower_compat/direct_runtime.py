@@ -15,6 +15,8 @@ task uses, so Flower's own task I/O (``pull_task_input``, ``push_message``,
 the state, as the HTTP router does.
 """
 
+# ruff: noqa: E402 - the gate's check runs before the internal imports
+
 from __future__ import annotations
 
 import logging
@@ -25,12 +27,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
-from . import SUPPORTED_FLOWER, pin_supported
+from . import require_pin
 
-if not pin_supported():  # the gate runs before the internal imports below
-    raise ImportError(f"{__name__} is written for flwr {SUPPORTED_FLOWER}'s internals")
+require_pin(__name__)  # the gate runs before the internal imports below
 
-from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.clientapp import ClientApp
 from flwr.proto.message_pb2 import (  # pylint: disable=E0611
     ConfirmMessageReceivedRequest,
     ConfirmMessageReceivedResponse,

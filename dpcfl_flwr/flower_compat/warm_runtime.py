@@ -23,6 +23,8 @@ a warm runtime as a process of its own, over the SuperNode's local HTTP API, and
 that comes with the task's input before the ClientApp sees the message.
 """
 
+# ruff: noqa: E402 - the gate's check runs before the internal imports
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +36,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import SUPPORTED_FLOWER, pin_supported
+from . import require_pin
 
-if not pin_supported():  # the gate runs before the internal imports below
-    raise ImportError(f"{__name__} is written for flwr {SUPPORTED_FLOWER}'s internals")
+require_pin(__name__)  # the gate runs before the internal imports below
 
-from flwr.app import Context, Error, Message  # noqa: E402
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import FAB_HASH_TRUNCATION, ErrorCode, SubStatus
 from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
