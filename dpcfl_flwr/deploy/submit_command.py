@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 
@@ -21,12 +19,11 @@ from ..simulation import _toml_value, flat_keys
 from .runs import StreamWatch, final_status, follow_hint
 from .superlink import ServerSettings, write_connection
 from .supervision import (
-    STOP_GRACE_SECONDS,
     console,
     die_with_parent,
     errors,
-    forward_signals,
     stop,
+    wait_passing_output,
 )
 
 
@@ -119,14 +116,8 @@ def _follow(command: list[str]) -> tuple[int, StreamWatch, bool]:
             sys.stdout.flush()
             watch.see(line)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    stopped = forward_signals(process, group=True, grace=STOP_GRACE_SECONDS)
-    code = process.wait()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # anything it left in its group
-    reader.join(timeout=5)
-    return code, watch, stopped()
+    code, stopped = wait_passing_output(process, pump)
+    return code, watch, stopped
 
 
 def _end_with_outcome(watch: StreamWatch) -> None:
