@@ -51,7 +51,8 @@ class ExperimentConfig(ConfigModel):
     conversion: Literal["classic", "tight"] = "classic"
     budget_mode: Literal["split", "joint"] = "split"
     # simulation only (a deployed silo sets its own): "exact" metrics or "private" ones, noised
-    # with this noise multiplier on a correct-prediction count and charged (docs/privacy.md#private-evaluation-metrics)
+    # with this noise multiplier on a correct-prediction count and charged
+    # (docs/privacy.md#private-evaluation-metrics)
     metrics: Literal["exact", "private"] = "exact"
     metrics_noise: float = Field(10.0, gt=0.0, allow_inf_nan=False)
     # how a cluster model combines its trainers' updates (docs/algorithm.md#aggregation)

@@ -1,7 +1,5 @@
 """``dpcfl certs`` and ``dpcfl server``: the deployment's CA and keys, and its SuperLink."""
 
-# ruff: noqa: B008 - Typer declares options as call defaults by design.
-
 from __future__ import annotations
 
 import contextlib

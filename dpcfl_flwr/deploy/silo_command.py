@@ -1,8 +1,6 @@
 """``dpcfl client``: one silo, a supervised ``flower-supernode`` that trains with the silo's own
 budget, ledger and records and runs only the app installed here."""
 
-# ruff: noqa: B008 - Typer declares options as call defaults by design.
-
 from __future__ import annotations
 
 import subprocess

@@ -1,7 +1,5 @@
 """``dpcfl submit``: a run with a validated run config, followed to its end."""
 
-# ruff: noqa: B008 - Typer declares options as call defaults by design.
-
 from __future__ import annotations
 
 import os

@@ -1,7 +1,5 @@
 """``dpcfl topology``: compose.yaml and the silo files of a topology."""
 
-# ruff: noqa: B008 - Typer declares options as call defaults by design.
-
 from __future__ import annotations
 
 import sys
