@@ -4,10 +4,12 @@ For a restructuring that must change nothing a user sees (issue 26), this runs t
 example (``dpcfl simulate --config examples/quick.toml``, each commit's own file) for every
 seed alternately on the two commits, so both see the same machine and the same load, and
 compares wall time, accuracy, the epsilon each silo spent and the noise multiplier it
-calibrated. With ``--overhead`` it also runs ``bench/overhead.py`` (simulation and gRPC, 4
-rounds) once on each commit. Each commit runs from a detached git worktree of its own.
+calibrated. With ``--overhead N`` it also runs ``bench/overhead.py`` (simulation and gRPC, 4
+rounds) N times on each commit, alternately: one 4-round run can be 10 points off (a pair
+once read 8% against 20%, and 8% / 7% when repeated). Each commit runs from a detached git
+worktree of its own.
 
-  python bench/two_commits.py BEFORE AFTER [--seeds 0,1,2] [--overhead] [--no-append]
+  python bench/two_commits.py BEFORE AFTER [--seeds 0,1,2] [--overhead N] [--no-append]
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--overhead", action="store_true")
+    parser.add_argument("--overhead", type=int, default=0, metavar="N")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     labels = {"before": args.before, "after": args.after}
@@ -91,7 +93,10 @@ def main() -> None:
                                 f"{max(run['epsilon']):.6f} | {run['z'][0]:.6f} | "
                                 f"{run['found']} |")
                     print(rows[-1], flush=True)
-            loads = {k: overhead(t) for k, t in trees.items()} if args.overhead else {}
+            loads: dict[str, list[dict[str, int]]] = {k: [] for k in trees}
+            for _ in range(args.overhead):
+                for label, tree in trees.items():
+                    loads[label].append(overhead(tree))
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO,
@@ -107,8 +112,10 @@ def main() -> None:
           for label, rs in runs.items()),
         "every silo's epsilon spent and noise multiplier identical: "
         f"{'yes' if same_privacy else 'NO'}",
-        *(f"overhead of rounds 2..4, {transport}: before {loads['before'][transport]}%, "
-          f"after {loads['after'][transport]}%" for transport in loads.get("after", {})),
+        *(f"overhead of rounds 2..4, {transport}: before "
+          f"{' / '.join(str(run[transport]) for run in loads['before'])}%, after "
+          f"{' / '.join(str(run[transport]) for run in loads['after'])}%"
+          for transport in (loads["after"][0] if loads["after"] else {})),
     ]
     body = ("| seed | commit | wall (s) | mean acc (%) | minority acc (%) | max eps spent | "
             "z | structure found |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
