@@ -329,7 +329,9 @@ def report(
                                        help="A run's results directory."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Redraw the figures."),
 ) -> None:
-    """Print a run's summary table (and per-silo outcome) and redraw its figures."""
+    """Print a run's summary table (and per-silo outcome), redraw its figures and say where
+    its TensorBoard event files are."""
+    from .board import BOARD_DIR, event_files
     from .progress import percent, summary_table
     from .results import redraw_figures
 
@@ -357,6 +359,9 @@ def report(
     if plots:
         for figure in redraw_figures(results, results_dir):
             console.print(f"figure: {figure}")
+    if event_files(results_dir):  # runs before the event files, or tensorboard = false: none
+        console.print(f"per-round metrics in TensorBoard: tensorboard --logdir "
+                      f"{results_dir / BOARD_DIR}", highlight=False)
 
 
 def _configure_logging(verbose: bool, round_lines: bool = False) -> None:

@@ -63,6 +63,9 @@ class ExperimentConfig(ConfigModel):
     threads: int = Field(1, ge=1)
     physical_batch_size: int = Field(0, ge=0, description="0: sized from a memory budget")
     out_dir: str = "results/latest"
+    # per-round metrics also as TensorBoard event files in <out-dir>/tensorboard
+    # (docs/experiments.md#watching-a-run-in-tensorboard)
+    tensorboard: bool = True
     ledger_dir: str = ""
     round_timeout: float = Field(3600.0, gt=0.0)
     min_clients: int = Field(0, ge=0, description="0: every client of the topology")

@@ -8,6 +8,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from .board import BoardWriter, Observers
 from .config import ConfigError, ExperimentConfig, parse_run_config
 from .flower_compat import in_process_grid
 from .models import build_model
@@ -30,14 +31,17 @@ def initial_arrays(experiment: ExperimentConfig) -> ArrayRecord:
 def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
     """Run one experiment on ``grid`` and write its results directory; returns results."""
     recorder = RunRecorder(Path(experiment.out_dir), experiment)
+    board = BoardWriter.of_run(experiment)  # None: turned off
     initial = initial_arrays(experiment)
-    strategy = build_strategy(experiment, initial, observer=recorder)
+    strategy = build_strategy(experiment, initial, observer=Observers.of(board, recorder))
     grid = PollingGrid(grid)  # Flower's loop, with replies polled every 50-500 ms, not 3 s
     strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients,
                       experiment.required_clients)
     result = strategy.start(grid, initial, experiment.num_server_rounds,
                             experiment.round_timeout)
     results = recorder.finish(strategy, result)
+    if board is not None:  # flushed every round; a run that dies leaves complete files
+        board.close()
     summary = results["summary"]
     minority = summary.get("minority_accuracy")
     logger.info("results in %s: mean accuracy %.4f, minority accuracy %s",
