@@ -46,6 +46,7 @@ from .protocol import (
 )
 from .requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo import BudgetExceeded, Schedule, Silo
+from .silo_model import evaluated_metadata, keep_evaluated_model
 from .training import DPSGDConfig
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 app = ClientApp()
 
 _STATE = "privacy"
+#: The run's schedule as its first valid train message announced it (``rounds``): how the
+#: silo tells the final evaluation, and so its final model (:mod:`.silo_model`), from others.
+_RUN = "run-schedule"
 
 
 def running_in_simulation() -> bool:
@@ -72,6 +76,18 @@ def _open_silo(context: Context) -> Silo:
     return Silo(silo, experiment, context.run_id,
                 str(record["ledger"]) if record is not None else None,
                 trust_run_config=running_in_simulation())
+
+
+def _remember_rounds(context: Context, request: TrainRequest) -> None:
+    """Keep the run's ``rounds`` from its first valid train message: the schedule the silo
+    plans with, which a later message of the run cannot change (the plan refuses it)."""
+    if _RUN not in context.state.config_records:
+        context.state[_RUN] = ConfigRecord({"rounds": request.rounds})
+
+
+def _planned_rounds(context: Context) -> int | None:
+    record = context.state.config_records.get(_RUN)
+    return None if record is None else int(str(record["rounds"]))
 
 
 def _remember_ledger(context: Context, silo: Silo) -> None:
@@ -145,6 +161,7 @@ def train(message: Message, context: Context) -> Message:
     clock = handler_cpu_clock()
     started = clock()
     request: TrainRequest = parse_request(TrainRequest, message)
+    _remember_rounds(context, request)
     silo = _open_silo(context)
     with silo.charging():  # check, train and charge under the ledger's lock
         update, start, metrics = _train_round(silo, request, model_records(message.content),
@@ -210,7 +227,10 @@ def evaluate(message: Message, context: Context) -> Message:
     state = _received_or_own(model_records(message.content), context, silo)
     with silo.charging():  # a private evaluation is charged like a round
         silo.check(list(silo.evaluation_cost(request.server_round)), request.server_round)
-        metrics = silo.test(state, request.server_round)
+        metrics, exact = silo.test(state, request.server_round)
     _remember_ledger(context, silo)
+    # the silo's own copy of the model it would use; nothing of it leaves the silo
+    keep_evaluated_model(silo, state, evaluated_metadata(
+        silo, request.server_round, request.cluster, _planned_rounds(context), metrics, exact))
     metrics.update({"cluster": request.cluster, "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

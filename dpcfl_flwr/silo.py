@@ -287,21 +287,27 @@ class Silo:
         assert self.silo.metrics_noise is not None  # resolved
         return [metric_release_cost(self.silo.metrics_noise, round_number)]
 
-    def test(self, state: dict[str, torch.Tensor], round_number: int) -> dict[str, float]:
-        """Test loss and accuracy of ``state``: exact, or (private metrics) through the
-        Gaussian mechanism, charged; call inside :meth:`charging` after :meth:`check`."""
+    def test(self, state: dict[str, torch.Tensor], round_number: int) -> tuple[
+            dict[str, float], dict[str, float]]:
+        """Test loss and accuracy of ``state``: (what the silo reports, what it knows). The
+        report is exact, or (private metrics) through the Gaussian mechanism, charged; call
+        inside :meth:`charging` after :meth:`check`. What it knows is exact and stays in the
+        silo (its model file, :mod:`.silo_model`); with private metrics its loss is the mean
+        of per-record losses clipped to ``LOSS_BOUND``."""
         model, x, y = self.new_model(state), self.data.x_test, self.data.y_test
         count = int(x.shape[0])
         if not self.private_metrics:
             loss, accuracy = evaluate(model, x, y)
+            exact = {"test-loss": loss, "test-accuracy": accuracy}
         else:
             loss_sum, correct = evaluation_sums(model, x, y, LOSS_BOUND)
+            exact = {"test-loss": loss_sum / count, "test-accuracy": correct / count}
             cost = self.evaluation_cost(round_number)
             generator = secure_generator(self._charge_seed())
             self.ledger.record(cost)
             loss, accuracy = noisy_evaluation(correct, loss_sum, count,
                                               cost[0].noise_multiplier, generator)
-        return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}
+        return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}, exact
 
 
 @functools.lru_cache(maxsize=4)

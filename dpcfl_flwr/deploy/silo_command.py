@@ -137,7 +137,10 @@ def client(
         return
     sys.stdout.flush()
     use_this_environment()
-    raise typer.Exit(code=_supervise(command, rejoin_wait))
+    started = time.time()
+    code = _supervise(command, rejoin_wait)
+    _print_models(deployed_settings(node_config).ledger_path, started)
+    raise typer.Exit(code=code)
 
 
 def _silo_plan(node: SiloConfig) -> dict[str, str]:
@@ -157,7 +160,30 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
         "metrics reported": f"private (noise multiplier {node.metrics_noise:g}, charged)"
         if node.metrics == "private" else "exact (for a trusted server only)",
         "device / threads": f"{node.device} / {node.threads}",
+        "models": f"{_model_pattern(node.ledger_path)}: the model it would use, at every "
+                  "evaluation, marked final after the run's last round",
     }
+
+
+def _model_pattern(ledger_path: str) -> str:
+    from ..silo_model import model_path  # noqa: PLC0415 (torch, only when it is needed)
+
+    return str(model_path(ledger_path, "<run id>"))
+
+
+def _print_models(ledger_path: str, since: float) -> None:
+    """One line per model file this silo wrote while it ran (:mod:`dpcfl_flwr.silo_model`):
+    where its result is, once the SuperNode has ended."""
+    from ..silo_model import describe, model_files, read_metadata  # noqa: PLC0415
+
+    for path in model_files(ledger_path):
+        if path.stat().st_mtime < since:
+            continue
+        try:
+            line = describe(path, read_metadata(path))
+        except ValueError as exc:
+            line = str(exc)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _spent_so_far(node: SiloConfig) -> str:
