@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import time
 from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
@@ -224,30 +222,25 @@ def simulate(
     cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for Ray (0: all)."),
     verbose: bool = typer.Option(False, "--verbose", help="Show Flower's and Ray's logs."),
     quiet: bool = typer.Option(False, "--quiet", help="No live view; one line per round."),
+    resume: Path = typer.Option(None, "--resume", file_okay=False,
+                                help="Continue the killed run of this results directory."),
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .progress import ProgressFollower, summary_table
-    from .simulation import absolute_paths, load_config, parse_override, run_simulation
+    from .simulation import AlreadyFinished, experiment_to_run, parse_override, run_simulation
     from .strategies import TooFewSilos
     from .strategies.exchange import RunInterrupted
 
     try:
         pairs = dict(parse_override(item) for item in overrides or [])
-        if out is not None:
-            pairs["out-dir"] = str(out)
-        elif "out-dir" not in pairs and (config is None or "out-dir" not in config.read_text()):
-            pairs["out-dir"] = time.strftime("results/%Y%m%d-%H%M%S")
-        experiment = absolute_paths(load_config(config, pairs))
+        experiment = experiment_to_run(config, pairs, out, overwrite, resume)
+    except AlreadyFinished as done:
+        console.print(str(done), highlight=False)
+        return
     except (ValueError, OSError) as exc:
         _fail(str(exc))
         return
     out_dir = Path(experiment.out_dir)
-    if (out_dir / "results.json").exists() or (out_dir / "ledgers").exists():
-        if not overwrite:
-            _fail(f"{out_dir} holds an earlier run (its silos' ledgers would refuse to train "
-                  "again); pass --overwrite or another --out")
-            return
-        shutil.rmtree(out_dir)
     _configure_logging(verbose, round_lines=quiet)
     console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {experiment.dataset} "
                   f"({experiment.shift}, clusters {experiment.clusters}), "

@@ -82,12 +82,21 @@ def _remember_rounds(context: Context, request: TrainRequest) -> None:
     """Keep the run's ``rounds`` from its first valid train message: the schedule the silo
     plans with, which a later message of the run cannot change (the plan refuses it)."""
     if _RUN not in context.state.config_records:
-        context.state[_RUN] = ConfigRecord({"rounds": request.rounds})
+        context.state[_RUN] = ConfigRecord({"rounds": request.rounds,
+                                            "run-key": request.run_key})
 
 
 def _planned_rounds(context: Context) -> int | None:
     record = context.state.config_records.get(_RUN)
     return None if record is None else int(str(record["rounds"]))
+
+
+def _run_name(context: Context) -> int:
+    """What the silo names the run's files by: the run key of its train messages (the same
+    when the server resumes the run in a new Flower run), else Flower's run id."""
+    record = context.state.config_records.get(_RUN)
+    key = 0 if record is None else int(str(record.get("run-key", 0)))
+    return key or context.run_id
 
 
 def _remember_ledger(context: Context, silo: Silo) -> None:
@@ -182,7 +191,7 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
     """Plan, check, (select and) train one round; returns the update, the weights it started
     from and the reply's numbers. Runs under the ledger's lock."""
     schedule = Schedule.from_request(request)
-    plan = silo.plan(schedule)
+    plan = silo.plan(schedule, request.run_key)
     server_round, cluster = request.server_round, request.cluster
     selecting = cluster == SELECT
     planned: list[GaussianSteps | Selection] = [
@@ -231,6 +240,7 @@ def evaluate(message: Message, context: Context) -> Message:
     _remember_ledger(context, silo)
     # the silo's own copy of the model it would use; nothing of it leaves the silo
     keep_evaluated_model(silo, state, evaluated_metadata(
-        silo, request.server_round, request.cluster, _planned_rounds(context), metrics, exact))
+        silo, request.server_round, request.cluster, _planned_rounds(context), metrics, exact),
+        _run_name(context))
     metrics.update({"cluster": request.cluster, "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

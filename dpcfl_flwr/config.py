@@ -73,6 +73,14 @@ class ExperimentConfig(ConfigModel):
     # after that wait (or once every silo present has answered), fewer silos that can run
     # than this stop the run before any trains
     required_clients: int = Field(0, ge=0, description="0: the fewest the method needs")
+    # continue the run whose results directory is out-dir from its last completed round
+    # (docs/experiments.md#resuming-a-run); set by `dpcfl simulate --resume`
+    resume: bool = False
+    # simulation only, for reproducible experiments: fixes every silo's DP noise (silo i draws
+    # from seed 1000 x noise-seed + i); -1: fresh OS entropy. Noise someone can reproduce
+    # protects nothing from them: never for data that needs protecting. A deployed silo
+    # ignores it (its noise is its own).
+    noise_seed: int = Field(-1, ge=-1)
     #: every registered method's parameter table, by method name (see parse_run_config)
     methods: dict[str, BaseModel] = Field(default_factory=dict, exclude=True)
 
@@ -199,6 +207,8 @@ class SiloConfig(ConfigModel):
                           metrics="private",
                           metrics_noise=ExperimentConfig.model_fields["metrics_noise"].default,
                           threads=1)
+        if trust_run_config and self.noise_seed < 0 <= experiment.noise_seed:
+            source["noise_seed"] = 1000 * experiment.noise_seed + self.partition_id
         return self.model_copy(update={key: value for key, value in source.items()
                                        if self._unset(key)})
 
@@ -206,7 +216,8 @@ class SiloConfig(ConfigModel):
         """None, an empty path, or (threads) 0: the markers of a key the silo left unset; an
         explicit 0 elsewhere (``data-seed = 0``) is the silo's choice."""
         value = getattr(self, key)
-        return value is None or value == "" or (key == "threads" and value == 0)
+        return (value is None or value == "" or (key == "threads" and value == 0)
+                or (key == "noise_seed" and value < 0))
 
     @property
     def topology(self) -> Topology:

@@ -50,6 +50,9 @@ class TrainRequest(_Request):
     personal: int = Field(0, ge=0, le=1)
     prox_lambda: float = Field(0.0, ge=0.0)
     prox_variant: Literal["correct", "authors"] = "correct"
+    # what the silo keys its noise plan by (the same across a resumed run's Flower runs); 0:
+    # the Flower run id. Only which stored plan applies: spending is bounded by the ledger.
+    run_key: int = Field(0, ge=0, lt=2**63)
     # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.Schedule)
     rounds: int = Field(ge=1, le=MAX_ROUNDS)
     local_epochs: int = Field(ge=1, le=MAX_LOCAL_EPOCHS)

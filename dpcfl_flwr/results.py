@@ -28,6 +28,7 @@ from sklearn.metrics import adjusted_rand_score
 from .config import ExperimentConfig
 from .report import plot_accuracy_by_cluster, plot_projection, write_json_atomic
 from .strategies import ClusteredStrategy, RoundReport
+from .strategies.checkpoint import CHECKPOINT, Checkpoint, save_checkpoint
 
 CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused", "dropped",
               "cluster_sizes", "mean_val_accuracy", "mean_test_accuracy",
@@ -64,30 +65,45 @@ def structure_found(truth: dict[int, int], assigned: dict[int, int]
 class RunRecorder:
     """A :class:`~dpcfl_flwr.strategies.RunObserver` that writes the results directory."""
 
-    def __init__(self, out_dir: str | Path, experiment: ExperimentConfig) -> None:
+    def __init__(self, out_dir: str | Path, experiment: ExperimentConfig,
+                 resumed: Checkpoint | None = None) -> None:
+        """``resumed``: the checkpoint a resumed run continues from; its rows are the
+        results so far (what the files held after a later, unfinished round is dropped)."""
         self.out = Path(out_dir)
         self.experiment = experiment
         self.out.mkdir(parents=True, exist_ok=True)
-        self.started = time.time()
+        self.started = time.time() - (resumed.wall_seconds if resumed else 0.0)
         self.rounds: list[dict[str, Any]] = []
         (self.out / "progress.jsonl").write_text("")
         with (self.out / "rounds.csv").open("w", newline="") as handle:
             csv.writer(handle).writerow(CSV_FIELDS)
+        self._resumed_rows = list(resumed.rows) if resumed else []
 
     def silos_known(self, strategy: ClusteredStrategy) -> None:
         self._event({"event": "start", "silos": len(strategy.silos),
-                     "method": strategy.name, "rounds": self.experiment.num_server_rounds})
+                     "method": strategy.name, "rounds": self.experiment.num_server_rounds,
+                     "resumed_after": len(self._resumed_rows)})
+        for row in self._resumed_rows:  # the rounds done before, as they were reported
+            self._keep_row(row)
+        self._resumed_rows = []
 
     def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None:
-        row = self._round_row(strategy, report)
+        """Append the round's row, rewrite results.json after an evaluation, and save the
+        run's checkpoint (``checkpoint.pkl``): a run killed after this continues from here."""
+        self._keep_row(self._round_row(strategy, report))
+        if report.test_accuracy:
+            write_json_atomic(self.out / "results.json", self.results(strategy, complete=False))
+        checkpoint = strategy.checkpoint()
+        checkpoint.rows, checkpoint.wall_seconds = list(self.rounds), time.time() - self.started
+        save_checkpoint(self.out / CHECKPOINT, checkpoint)
+
+    def _keep_row(self, row: dict[str, Any]) -> None:
         self.rounds.append(row)
         self._event({"event": "round", **row})
         with (self.out / "rounds.csv").open("a", newline="") as handle:
             csv.writer(handle).writerow(
                 [";".join(map(str, v)) if isinstance(v, list) else v
                  for v in (row[k] for k in CSV_FIELDS)])
-        if report.test_accuracy:
-            write_json_atomic(self.out / "results.json", self.results(strategy, complete=False))
 
     def finish(self, strategy: ClusteredStrategy, result: Result | None = None
                ) -> dict[str, Any]:

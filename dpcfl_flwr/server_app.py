@@ -14,6 +14,7 @@ from .flower_compat import in_process_grid
 from .models import build_model
 from .results import RunRecorder
 from .strategies import TooFewSilos, build_strategy
+from .strategies.checkpoint import checkpoint_path, load_checkpoint
 from .strategies.exchange import PollingGrid, RunInterrupted
 
 logger = logging.getLogger("dpcfl_flwr")
@@ -30,10 +31,16 @@ def initial_arrays(experiment: ExperimentConfig) -> ArrayRecord:
 
 def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
     """Run one experiment on ``grid`` and write its results directory; returns results."""
-    recorder = RunRecorder(Path(experiment.out_dir), experiment)
-    board = BoardWriter.of_run(experiment)  # None: turned off
+    resumed = (load_checkpoint(checkpoint_path(experiment), experiment)
+               if experiment.resume else None)
+    recorder = RunRecorder(Path(experiment.out_dir), experiment, resumed)
+    board = BoardWriter.of_run(experiment, resumed.round if resumed else 0)  # None: turned off
     initial = initial_arrays(experiment)
     strategy = build_strategy(experiment, initial, observer=Observers.of(board, recorder))
+    if resumed is not None:
+        strategy.resume(resumed)
+        logger.info("resuming after round %d of %d (%s)", resumed.round,
+                    experiment.num_server_rounds, checkpoint_path(experiment))
     grid = PollingGrid(grid)  # Flower's loop, with replies polled every 50-500 ms, not 3 s
     strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients,
                       experiment.required_clients)
@@ -61,6 +68,9 @@ def main(grid: Grid, context: Context) -> None:
     simulated = in_process_grid(grid)
     try:
         run_experiment(grid, experiment)
+    except ConfigError as exc:  # a checkpoint that cannot be resumed
+        logger.error("%s", exc)
+        raise SystemExit(f"dpcfl: {exc}") from None
     except RunInterrupted:
         if not simulated:
             raise

@@ -173,17 +173,22 @@ class Silo:
         return self.ledger.spent(self.budget)
 
     # --- plan -------------------------------------------------------------------------------
-    def plan(self, schedule: Schedule) -> SiloPlan:
-        """Calibrate z for the proposed schedule once per run, and keep it in the ledger."""
+    def plan(self, schedule: Schedule, run_key: int = 0) -> SiloPlan:
+        """Calibrate z for the proposed schedule once per run, and keep it in the ledger.
+
+        ``run_key``: what the server names the run by, the same when it resumes the run in a
+        new Flower run (0: this Flower run's id), so a resumed silo keeps its z. A key only
+        picks which stored plan applies; what the silo may spend is its ledger's to say."""
         runs = self.ledger.meta.setdefault("runs", {})
-        stored = runs.get(str(self.run_id))
+        key = str(run_key or self.run_id)
+        stored = runs.get(key)
         if stored is not None:
             if stored["schedule_key"] != schedule.key():
                 raise BudgetExceeded("the server changed the DP schedule in the middle of a run")
             return SiloPlan(**stored)
         spent_before = self.spent()
         plan = self._calibrate(schedule)
-        runs[str(self.run_id)] = plan.__dict__
+        runs[key] = plan.__dict__
         if spent_before > 0:
             logger.warning("silo %s starts run %s with epsilon %.4g of %g already spent in "
                            "earlier runs: z=%.4f for what is left (%s)", self.silo.partition_id,

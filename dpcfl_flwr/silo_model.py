@@ -64,7 +64,8 @@ def _stem(ledger_path: str | Path) -> str:
 
 
 def model_path(ledger_path: str | Path, run_id: int | str) -> Path:
-    """Where a silo with this ledger keeps the model of run ``run_id`` (Flower's run id)."""
+    """Where a silo with this ledger keeps the model of run ``run_id`` (its run key, the same
+    across a resumed run, else Flower's run id)."""
     ledger = Path(ledger_path)
     return ledger.with_name(f"{_stem(ledger)}.run-{run_id}{SUFFIX}")
 
@@ -159,12 +160,14 @@ def evaluated_metadata(silo: Silo, server_round: int, cluster: int, rounds: int 
     }
 
 
-def keep_evaluated_model(silo: Silo, state: dict[str, torch.Tensor], metadata: dict[str, Any]
-                         ) -> Path | None:
+def keep_evaluated_model(silo: Silo, state: dict[str, torch.Tensor], metadata: dict[str, Any],
+                         run_name: int | None = None) -> Path | None:
     """Write ``state`` with ``metadata`` (:func:`evaluated_metadata`) to the run's model file,
     unless that file holds a later round or the final model; the path written, or None.
-    A failure to write is logged, not raised: the evaluation it follows is already charged."""
-    path = model_path(silo.ledger_path, silo.run_id)
+    ``run_name``: what the file is named by (the run key, kept across a resumed run; default
+    the Flower run id). A failure to write is logged, not raised: the evaluation it follows
+    is already charged."""
+    path = model_path(silo.ledger_path, run_name or silo.run_id)
     try:
         old = read_metadata(path) if path.exists() else None
     except ValueError as exc:

@@ -14,11 +14,14 @@ after a normal run; a silo task that keeps the engine busy longer than
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
+import time
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -49,6 +52,55 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Experi
                              .get("config", data)))
     raw.update(overrides)
     return parse_run_config(raw)
+
+
+class AlreadyFinished(Exception):
+    """``--resume`` of a run that completed: there is nothing to do."""
+
+
+def experiment_to_run(config: Path | None, overrides: Mapping[str, Any], out: Path | None,
+                      overwrite: bool, resume: Path | None) -> ExperimentConfig:
+    """What ``dpcfl simulate`` runs: a new run in ``out`` (an earlier run there is removed
+    only with ``overwrite``: its silos' ledgers would refuse to train again), or (``resume``)
+    the continuation of the run in that directory. ValueError in one line when it cannot;
+    :class:`AlreadyFinished` when the run to resume completed."""
+    if resume is not None:
+        return resumed_experiment(resume, config, overrides)
+    pairs = dict(overrides)
+    if out is not None:
+        pairs["out-dir"] = str(out)
+    elif "out-dir" not in pairs and (config is None or "out-dir" not in config.read_text()):
+        pairs["out-dir"] = time.strftime("results/%Y%m%d-%H%M%S")
+    experiment = absolute_paths(load_config(config, pairs))
+    out_dir = Path(experiment.out_dir)
+    if (out_dir / "results.json").exists() or (out_dir / "ledgers").exists():
+        if not overwrite:
+            raise ValueError(f"{out_dir} holds an earlier run (its silos' ledgers would refuse "
+                             "to train again); pass --overwrite, another --out, or --resume "
+                             f"{out_dir} to continue it")
+        shutil.rmtree(out_dir)
+    return experiment
+
+
+def resumed_experiment(directory: Path, config: str | Path | None,
+                       overrides: Mapping[str, Any]) -> ExperimentConfig:
+    """The run config to continue the run whose results directory is ``directory``: its
+    checkpoint's (or ``config``'s, which must agree with it), with ``overrides`` of the keys
+    a resumed run may change. :class:`ConfigError` in one line when it cannot resume,
+    :class:`AlreadyFinished` when the run completed."""
+    from .strategies.checkpoint import CHECKPOINT, load_checkpoint, read_checkpoint
+
+    results = directory / "results.json"
+    if results.exists() and json.loads(results.read_text()).get("complete"):
+        raise AlreadyFinished(f"{directory}: the run completed ({results}); nothing to resume")
+    path = directory / CHECKPOINT
+    saved = read_checkpoint(path)
+    where = {"out-dir": str(directory), "resume": True}
+    experiment = absolute_paths(
+        load_config(config, {**overrides, **where}) if config is not None
+        else parse_run_config({**saved.run_config, **overrides, **where}))
+    load_checkpoint(path, experiment)  # refuses another run config, naming what differs
+    return experiment
 
 
 def flat_keys(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

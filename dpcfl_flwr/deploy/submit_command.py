@@ -44,14 +44,23 @@ def submit(
         True, "--stream/--no-stream",
         help="Follow the run's log until it ends and exit with its outcome (1 if it failed); "
              "--no-stream: return once it has started."),
+    resume: Path = typer.Option(
+        None, "--resume", file_okay=False,
+        help="Continue the killed run whose results directory (its out-dir, on this host) "
+             "this is, from its last completed round."),
 ) -> None:
     """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
-    from ..simulation import load_config, parse_override
+    from ..simulation import AlreadyFinished, load_config, parse_override, resumed_experiment
 
     if not insecure and root_certificates is None:
         stop(["TLS needs --root-certificates (or --insecure for local experiments)"])
     try:
-        experiment = load_config(config, dict(parse_override(o) for o in overrides or []))
+        pairs = dict(parse_override(o) for o in overrides or [])
+        experiment = (resumed_experiment(resume.resolve(), config, pairs) if resume
+                      else load_config(config, pairs))
+    except AlreadyFinished as done:
+        console.print(escape(str(done)), highlight=False)
+        return
     except (ValueError, OSError) as exc:
         stop([str(exc)])
         return

@@ -201,3 +201,15 @@ class Method(ABC):
     def results(self) -> dict[str, Any]:
         """What the method learnt, for results.json's ``clustering`` block (JSON values)."""
         return {}
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The method's own state after a round (assignments, clustering, choices), for the
+        run's checkpoint: by default every attribute a subclass added. The models and silos
+        are the strategy's (:class:`ServerState`) and saved with it."""
+        return {key: value for key, value in vars(self).items()
+                if key not in ("experiment", "params", "state")}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``saved`` (a resumed run)."""
+        vars(self).update(saved)

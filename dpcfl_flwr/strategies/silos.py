@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -17,7 +18,7 @@ from flwr.serverapp import Grid
 
 from ..config import ExperimentConfig
 from ..methods.base import SiloInfo
-from ..protocol import CONFIG, SILO
+from ..protocol import BUDGET_EXCEEDED, CONFIG, SILO
 from .exchange import exchange, pause
 from .replies import reply_numbers
 
@@ -64,6 +65,7 @@ class SiloRoster:
         self.failed: dict[int, FailedNode] = {}
         self.name = method_name
         self.needs = method_needs
+        self._noise_checked: set[int] = set()  # silos whose z was compared with the others'
 
     def silos_needed(self) -> int:
         return self.needs
@@ -170,6 +172,22 @@ class SiloRoster:
         if previous is None or previous.reason != reason:
             logger.error("silo on node %d cannot start: %s", node, reason)
 
+    def adopt(self, restored: dict[int, SiloInfo]) -> None:
+        """A resumed run's silos (``restored``, by partition, from its checkpoint): one that
+        has rejoined keeps its history (rounds dropped or refused, last evaluation, noise,
+        budget state) under its new node id; one that has not stays in the run's results,
+        on no node until it rejoins (:meth:`refresh_silos`)."""
+        for partition, before in restored.items():
+            now = self.silos.get(partition)
+            if now is None:
+                before.node_id = -1
+                self.silos[partition] = before
+                continue
+            now.dropped_rounds, now.refused_rounds = before.dropped_rounds, before.refused_rounds
+            now.test_accuracy, now.test_loss = before.test_accuracy, before.test_loss
+            now.noise_multiplier, now.exhausted = before.noise_multiplier, before.exhausted
+            now.epsilon_spent_before = before.epsilon_spent_before
+
     def _register(self, node: int, fields: list[float]) -> None:
         """``fields``: the silo's SILO_FIELDS, in that order."""
         partition, cluster, num_train = (int(value) for value in fields[:3])
@@ -185,3 +203,37 @@ class SiloRoster:
             logger.warning("silo %d starts with eps %.4g of %g already spent (earlier runs): "
                            "this run can use the %.4g left, with larger noise", partition,
                            spent, budget, max(budget - spent, 0.0))
+
+    def check_noise_multipliers(self, server_round: int, replied: list[int]) -> None:
+        """Log, once per silo, a silo whose noise multiplier z differs from the one most silos
+        use: it calibrated for a smaller budget (spent in an earlier run) or another data size,
+        so its updates are noisier than the others'."""
+        new = [p for p in replied if p not in self._noise_checked]
+        self._noise_checked.update(new)
+        known = {p: round(s.noise_multiplier, 4) for p, s in self.silos.items()
+                 if s.noise_multiplier is not None}
+        counts = Counter(known.values())
+        if len(counts) < 2:
+            return
+        usual = max(counts, key=lambda z: (counts[z], -z))
+        for partition in new:
+            if known.get(partition, usual) != usual:
+                silo = self.silos[partition]
+                logger.warning(
+                    "round %d: silo %d trains with noise multiplier z=%.4g, %d other silo(s) "
+                    "with %.4g (its budget eps %g, %.4g spent before this run; %d training "
+                    "records)", server_round, partition, known[partition], counts[usual],
+                    usual, silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
+
+    def note_error(self, server_round: int, silo: SiloInfo, message: Message,
+                   refused: list[int]) -> None:
+        reason = message.error.reason
+        if message.error.code == BUDGET_EXCEEDED:
+            silo.exhausted = True
+            silo.refused_rounds.append(server_round)
+            refused.append(silo.partition)
+            logger.warning("round %d: silo %d refused: %s", server_round, silo.partition, reason)
+        else:
+            silo.dropped_rounds.append(server_round)
+            logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
+                         message.error.code, reason)

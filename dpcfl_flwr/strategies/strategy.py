@@ -16,8 +16,8 @@ turns its decisions into messages and folds the replies back (docs/protocol.md).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -33,7 +33,6 @@ from ..config import ExperimentConfig
 from ..methods.base import INITIAL, Method, ServerState, SiloInfo, TrainReply
 from ..protocol import (
     ARRAYS,
-    BUDGET_EXCEEDED,
     CONFIG,
     OWN,
     SELECT,
@@ -44,6 +43,7 @@ from ..protocol import (
     one_record,
     pack,
 )
+from .checkpoint import Checkpoint
 from .replies import known_number, reply_numbers, train_reply
 from .silos import SiloRoster
 
@@ -112,7 +112,30 @@ class ClusteredStrategy(Strategy):
         self.observer = observer
         self.reports: list[RoundReport] = []
         self._sent: _Sent | None = None
-        self._noise_checked: set[int] = set()  # silos whose z was compared with the others'
+        #: Rounds done before this process (a resumed run): Flower's loop passes them by.
+        self.completed = 0
+        #: What silos key their noise plan by: the same across resumes, so a resumed silo
+        #: keeps the noise it calibrated for the run (a new Flower run id would not).
+        self.run_key = secrets.randbits(62)
+        self._restored: dict[int, SiloInfo] = {}
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        """The run after its last reported round, to continue from (:meth:`resume`)."""
+        return Checkpoint(self.reports[-1].round if self.reports else 0,
+                          self.experiment.to_run_config(), self.run_key,
+                          [m.copy() for m in self.models], self.method.state_dict(),
+                          dict(self.silos), list(self.reports))
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue after ``checkpoint``'s round: its models, method state, round reports and
+        run key; its silos are matched by partition id as they rejoin (:meth:`discover`)."""
+        self.completed = checkpoint.round
+        self.state.models = [m.copy() for m in checkpoint.models]
+        self.method.load_state_dict(checkpoint.method)
+        self.reports = list(checkpoint.reports)
+        self.run_key = checkpoint.run_key
+        self._restored = dict(checkpoint.silos)
 
     # --- what the run reads -------------------------------------------------------------------
     @property
@@ -156,6 +179,7 @@ class ClusteredStrategy(Strategy):
         """Wait until ``expected`` silos can run, for at most ``wait`` s (see
         :meth:`.silos.SiloRoster.discover`); no silo has trained when this returns."""
         self.roster.discover(grid, expected, wait, required)
+        self.roster.adopt(self._restored)
         if self.observer is not None:
             self.observer.silos_known(self)
 
@@ -163,7 +187,8 @@ class ClusteredStrategy(Strategy):
         return self.roster.refresh_silos(grid)
 
     def active_partitions(self) -> list[int]:
-        return sorted(p for p, s in self.silos.items() if not s.exhausted)
+        """The silos to train: known to be on a node now and not out of budget."""
+        return sorted(p for p, s in self.silos.items() if not s.exhausted and s.node_id >= 0)
 
     # --- Flower's hooks: training ---------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -171,7 +196,10 @@ class ClusteredStrategy(Strategy):
         """The round's train messages, one per silo that can still train: the model of the
         cluster the method assigned it (all M when it selects privately), the round's
         settings and the run's DP schedule. ``arrays`` and ``config`` (Flower's single
-        model and config) are not used: the models are the method's."""
+        model and config) are not used: the models are the method's. None in a round a
+        resumed run had completed."""
+        if server_round <= self.completed:
+            return []
         self.refresh_silos(grid)  # silos that (re)joined since the last round
         messages = self._train_messages(server_round)
         self._sent = _Sent({self.silos[p].node_id: p for p in messages}, time.monotonic())
@@ -201,7 +229,7 @@ class ClusteredStrategy(Strategy):
             "server-round": server_round, "stage": method.stage(server_round),
             "cluster": cluster, "round-batch": str(method.round_batch(server_round)),
             "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
-            "personal": int(method.personal),
+            "personal": int(method.personal), "run-key": self.run_key,
             **replace(method.schedule(), evaluations=self.evaluations()).to_config(),
             **method.silo_settings(server_round, cluster),
         }
@@ -220,6 +248,8 @@ class ClusteredStrategy(Strategy):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check the replies and let the method absorb them. Returns no ArrayRecord: the M
         cluster models stay here (the run's ``Result`` gets them at the end)."""
+        if server_round <= self.completed:
+            return None, None
         sent, self._sent = self._sent or _Sent({}, time.monotonic()), None
         by_node = sent.partitions or {s.node_id: p for p, s in self.silos.items()}
         keyed = {by_node[m.metadata.src_node_id]: m for m in replies
@@ -236,7 +266,7 @@ class ClusteredStrategy(Strategy):
         for partition, message in sorted(replies.items()):
             silo = self.silos[partition]
             if message.has_error():
-                self._log_error(server_round, silo, message, refused)
+                self.roster.note_error(server_round, silo, message, refused)
                 continue
             try:
                 reply = train_reply(message, self.layout, self.n_clusters)
@@ -251,7 +281,7 @@ class ClusteredStrategy(Strategy):
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
-        self._check_noise_multipliers(server_round, list(good))
+        self.roster.check_noise_multipliers(server_round, list(good))
         self.method.absorb(server_round, good)
         report = RoundReport(
             server_round, self.method.stage(server_round), seconds,
@@ -265,50 +295,16 @@ class ClusteredStrategy(Strategy):
         self.reports.append(report)
         return report
 
-    def _check_noise_multipliers(self, server_round: int, replied: list[int]) -> None:
-        """Log, once per silo, a silo whose noise multiplier z differs from the one most silos
-        use: it calibrated for a smaller budget (spent in an earlier run) or another data size,
-        so its updates are noisier than the others'."""
-        new = [p for p in replied if p not in self._noise_checked]
-        self._noise_checked.update(new)
-        known = {p: round(s.noise_multiplier, 4) for p, s in self.silos.items()
-                 if s.noise_multiplier is not None}
-        counts = Counter(known.values())
-        if len(counts) < 2:
-            return
-        usual = max(counts, key=lambda z: (counts[z], -z))
-        for partition in new:
-            if known.get(partition, usual) != usual:
-                silo = self.silos[partition]
-                logger.warning(
-                    "round %d: silo %d trains with noise multiplier z=%.4g, %d other silo(s) "
-                    "with %.4g (its budget eps %g, %.4g spent before this run; %d training "
-                    "records)", server_round, partition, known[partition], counts[usual],
-                    usual, silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
-
-    def _log_error(self, server_round: int, silo: SiloInfo, message: Message,
-                   refused: list[int]) -> None:
-        reason = message.error.reason
-        if message.error.code == BUDGET_EXCEEDED:
-            silo.exhausted = True
-            silo.refused_rounds.append(server_round)
-            refused.append(silo.partition)
-            logger.warning("round %d: silo %d refused: %s", server_round, silo.partition, reason)
-        else:
-            silo.dropped_rounds.append(server_round)
-            logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
-                         message.error.code, reason)
-
     # --- Flower's hooks: evaluation ---------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Every silo's evaluate message (the model it uses now), in evaluation rounds; none
         in the others."""
-        if not self.evaluates(server_round):
+        if server_round <= self.completed or not self.evaluates(server_round):
             return []
         packed = cache(self._model_record)
         messages = []
-        for partition in sorted(self.silos):
+        for partition in sorted(p for p, s in self.silos.items() if s.node_id >= 0):
             cluster = self.current_cluster(partition)
             model = packed(cluster)
             content = one_record(CONFIG, {"server-round": server_round, "cluster": cluster},
@@ -320,7 +316,10 @@ class ClusteredStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                            ) -> MetricRecord | None:
         """Fold the evaluation replies into the round's report (in evaluation rounds), log the
-        round and tell the observer; the mean test accuracy goes to Flower's history."""
+        round and tell the observer (which keeps the results and the checkpoint); the mean
+        test accuracy goes to Flower's history."""
+        if server_round <= self.completed:
+            return None
         report = self.reports[-1]
         if self.evaluates(server_round):
             by_node = {s.node_id: p for p, s in self.silos.items()}
