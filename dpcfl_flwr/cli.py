@@ -372,6 +372,7 @@ def _configure_logging(verbose: bool, round_lines: bool = False) -> None:
                                                ("dpcfl_flwr.strategies.strategy",))
         handler.addFilter(lambda record: record.levelno >= logging.WARNING
                           or not record.name.startswith(quiet))
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # its own handler's round lines
     logging.basicConfig(level=logging.INFO, handlers=[handler], format="%(message)s",
                         force=True)
 
