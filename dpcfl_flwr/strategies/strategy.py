@@ -361,9 +361,11 @@ class ClusteredStrategy(Strategy):
     # --- the run ------------------------------------------------------------------------------
     def summary(self) -> None:
         e = self.experiment
-        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, lr=%g, c=%g, %s",
+        own = "".join(f", {key}={value}" for key, value in
+                      e.params.model_dump(by_alias=True).items())
+        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, lr=%g, c=%g%s",
                     self.name, len(self.silos), self.n_clusters, e.num_server_rounds, e.epsilon,
-                    e.delta, e.batch_size, e.learning_rate, e.clip_norm, e.params)
+                    e.delta, e.batch_size, e.learning_rate, e.clip_norm, own)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
