@@ -161,7 +161,7 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                       "logging_level": "DEBUG" if verbose else "ERROR",
                       "log_to_driver": verbose},
     }
-    with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir:
+    with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir, _environment_kept():
         _write_app_dir(Path(app_dir), experiment)
         with _stopped_by_signals() as received:
             run_in_engine(num_supernodes=experiment.topology.num_clients,
@@ -172,6 +172,20 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         name = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
         raise RunInterrupted(f"the run was stopped ({name}) and Ray shut down",
                              128 + received[0])
+
+
+@contextlib.contextmanager
+def _environment_kept() -> Iterator[None]:
+    """Give the process its environment variables back after the engine ran: Flower's engine
+    leaves PYTHONPATH set to its app directory and this interpreter's paths, which another
+    interpreter started later by this process (Debian's python3 for docker-compose) would
+    then import this venv's packages from."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager

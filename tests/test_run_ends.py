@@ -220,14 +220,7 @@ def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
 
 
 def test_ctrl_c_ends_a_submit_within_seconds_and_says_the_run_may_go_on(tmp_path, request):
-    import tomllib
-
-    from dpcfl_flwr.config import parse_run_config
-
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    missing = set(parse_run_config({}).to_run_config()) - set(declared["config"])
-    if missing:  # dpcfl submit refuses to send them, Flower would refuse the run
-        pytest.skip(f"pyproject.toml does not declare {sorted(missing)} yet")
+    # (pyproject declares every run-config key: tests/test_examples.py)
     superlink = request.getfixturevalue("superlink")
     env, mark = _marked_env()
     env["FLWR_HOME"] = str(tmp_path / "submit-home")

@@ -55,6 +55,7 @@ class LocalDeployment:
         self.fleet, self.api = free_port(), free_port()
         self.env = {**os.environ, "FLWR_HOME": str(root / "flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
         self.processes: dict[str, subprocess.Popen] = {}
+        self._server: list[str] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*DPCFL, *args], cwd=self.root, env=self.env, text=True,
@@ -93,9 +94,17 @@ class LocalDeployment:
                  "--runtime-port-base", str(free_port() % 20000 + 30000))
         keys = [arg for i in range(self.silos) for arg in ("--register",
                                                            f"certs/nodes/silo-{i:02d}.pub")]
-        self.start("server", "server", "--certs", "certs", "--fleet-address",
-                   f"127.0.0.1:{self.fleet}", "--api-address", f"127.0.0.1:{self.api}",
-                   "--state", "state", "--ready-file", "state/ready", *server_options, *keys)
+        self._server = ["server", "--certs", "certs", "--fleet-address",
+                        f"127.0.0.1:{self.fleet}", "--api-address", f"127.0.0.1:{self.api}",
+                        "--state", "state", "--ready-file", "state/ready", *server_options,
+                        *keys]
+        self.start("server", *self._server)
+        self.wait_ready()
+
+    def restart_server(self) -> None:
+        """Start the SuperLink again as :meth:`up` did (after :meth:`kill` of "server")."""
+        (self.root / "state" / "ready").unlink(missing_ok=True)
+        self.start("server", *self._server)
         self.wait_ready()
 
     def silo(self, index: int, *extra: str) -> subprocess.Popen:

@@ -202,8 +202,6 @@ def _spent_so_far(node: SiloConfig) -> str:
             f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 
 
-
-
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for
 # every error, so the message is what tells this case apart) and once it is activated.
 _ACTIVATION_REFUSED = "Failed to activate SuperNode"
@@ -221,21 +219,36 @@ class _SuperNodeLife:
     code: int
     refusal: str | None  # why the SuperLink refused to activate the node, if it did
     stopped: bool  # by SIGINT / SIGTERM
+    activated: bool = False  # the SuperLink started its session
 
 
 def _supervise(command: list[str], rejoin_wait: float) -> int:
     """Run the SuperNode, passing its output through. While the SuperLink refuses it because
     a node with this silo's key is online (another instance, or a crashed one's session the
     silo could not end itself), ask again every few seconds for ``rejoin_wait`` s, quietly: a
-    line at the first refusal, a verdict if it lasts. An unregistered key, TLS failures and
-    every other error end the silo at once, a refusal with one line saying why."""
+    line at the first refusal, a verdict if it lasts. A SuperNode that ends by itself after
+    its session started lost its SuperLink (it restarted, with the run to resume): start it
+    again for ``rejoin_wait`` s. An unregistered key, TLS failures and every other error end
+    the silo at once, a refusal with one line saying why."""
     deadline = time.monotonic() + rejoin_wait
     signalled.clear()
     attempts = 0
+    lost = False
     while True:
         life = _run_supernode(command, quiet=attempts > 0)
         attempts += 1
-        if life.code == 0 or life.refusal is None or life.stopped:
+        if life.stopped:
+            return life.code
+        if life.code == 0 and (life.activated or lost):
+            if life.activated:
+                console.print(f"the SuperNode lost its SuperLink; starting it again every "
+                              f"{REJOIN_RETRY_SECONDS:g} s for up to {rejoin_wait:g} s (the "
+                              "ledger goes on)", highlight=False, markup=False, soft_wrap=True)
+                lost, deadline = True, time.monotonic() + rejoin_wait
+            if time.monotonic() < deadline and not signalled.wait(REJOIN_RETRY_SECONDS):
+                continue
+            return life.code
+        if life.code == 0 or life.refusal is None:
             return life.code
         if KEY_NOT_REGISTERED in life.refusal or time.monotonic() >= deadline:
             waited = f" (asked {attempts} times in {rejoin_wait:g} s)" if attempts > 1 else ""
@@ -265,10 +278,13 @@ def _run_supernode(command: list[str], quiet: bool = False) -> _SuperNodeLife:
     held: list[str] | None = [] if quiet else None
     refused: list[str] = []  # the refusal line, then the SuperLink's reason if it gave one
 
+    activated = False
+
     def pump() -> None:
-        nonlocal held
+        nonlocal held, activated
         assert process.stdout is not None
         for line in process.stdout:
+            activated = activated or _ACTIVATED in line
             if held is not None and _ACTIVATED in line:
                 sys.stdout.writelines(held)
                 held = None
@@ -283,7 +299,7 @@ def _run_supernode(command: list[str], quiet: bool = False) -> _SuperNodeLife:
     code, stopped = wait_passing_output(process, pump)
     if held and not refused:  # it ended for another reason: that must be seen
         sys.stdout.writelines(held)
-    return _SuperNodeLife(code, _refusal(refused) if refused else None, stopped)
+    return _SuperNodeLife(code, _refusal(refused) if refused else None, stopped, activated)
 
 
 def _refusal(lines: list[str]) -> str:
