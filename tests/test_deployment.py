@@ -78,13 +78,7 @@ def _results(path: Path) -> dict:
 def deployment(tmp_path_factory):
     dep = LocalDeployment(tmp_path_factory.mktemp("deployment"), clusters="2,2")
     dep.up()
-    # The app the silos run and `flwr run` sends: one snapshot of this checkout, first on the
-    # silos' path: a silo refuses a FAB with other code, and this checkout may be edited during
-    # the test.
-    shutil.copytree(REPO / "dpcfl_flwr", dep.root / "dpcfl_flwr",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", dep.root / "pyproject.toml")
-    dep.env["PYTHONPATH"] = str(dep.root)
+    dep.use_snapshot(REPO)  # the app the silos run and `flwr run` sends
     for i in range(SILOS):
         dep.silo(i, *SPLIT)
     assert len(_processes_of(dep)) > SILOS  # the check after down() can see them

@@ -10,7 +10,6 @@ one noise plan across the two Flower runs (the run key) and stays within its bud
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -49,11 +48,7 @@ def _checkpointed(path: Path) -> int:
 def test_a_run_resumes_after_its_superlink_and_serverapp_died(tmp_path):
     deployment = LocalDeployment(tmp_path / "deployment", clusters="1,2")
     deployment.up("--in-memory")
-    # One snapshot of this checkout for the silos and the FAB (a silo refuses other code).
-    shutil.copytree(REPO / "dpcfl_flwr", deployment.root / "dpcfl_flwr",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", deployment.root / "pyproject.toml")
-    deployment.env["PYTHONPATH"] = str(deployment.root)
+    deployment.use_snapshot(REPO)  # one app for the silos and the FAB
     out = deployment.root / "run"
     settings = [arg for key, value in {**RUN, "out-dir": f'"{out}"'}.items()
                 for arg in ("--set", f"{key}={value}")]

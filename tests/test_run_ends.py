@@ -11,7 +11,6 @@ import contextlib
 import os
 import pty
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -302,12 +301,7 @@ def test_a_submitted_run_that_completes_ends_submit_with_exit_0(tmp_path):
     silos: `dpcfl submit` follows the run to its end and says it completed."""
     deployment = LocalDeployment(tmp_path / "deployment", clusters="1,2")
     deployment.up("--in-memory")
-    # One snapshot of this checkout for the silos and the FAB: a silo refuses a FAB with other
-    # code, and this checkout may be edited while the test runs.
-    shutil.copytree(REPO / "dpcfl_flwr", deployment.root / "dpcfl_flwr",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", deployment.root / "pyproject.toml")
-    deployment.env["PYTHONPATH"] = str(deployment.root)
+    deployment.use_snapshot(REPO)  # one app for the silos and the FAB
     try:
         for index in range(SILOS):
             deployment.silo(index, "--samples-per-client", "64", "--test-samples", "40")

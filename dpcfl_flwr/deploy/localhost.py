@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,6 +101,17 @@ class LocalDeployment:
                         *keys]
         self.start("server", *self._server)
         self.wait_ready()
+
+    def use_snapshot(self, repo: Path) -> Path:
+        """Copy ``repo``'s app (the package and pyproject.toml: what `flwr run` packs) into
+        the deployment's root and put it first on every process's path: the silos and the FAB
+        then carry one snapshot (a silo refuses a FAB with other code), whatever happens to
+        the checkout meanwhile. Returns the app directory."""
+        shutil.copytree(repo / "dpcfl_flwr", self.root / "dpcfl_flwr",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(repo / "pyproject.toml", self.root / "pyproject.toml")
+        self.env["PYTHONPATH"] = str(self.root)
+        return self.root
 
     def restart_server(self) -> None:
         """Start the SuperLink again as :meth:`up` did (after :meth:`kill` of "server")."""
