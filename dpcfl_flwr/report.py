@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +13,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Circle  # noqa: E402
 
+from .files import write_atomically  # noqa: E402
+
 
 def write_json_atomic(path: str | Path, payload: Any) -> None:
     """Write JSON so that a reader never sees a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=False, default=_json_default)
-        os.chmod(tmp, 0o644)  # results are for people to read (mkstemp makes 0600)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(payload, indent=2, sort_keys=False, default=_json_default)
+    # results are for people to read (mkstemp makes 0600); a lost rewrite is redone next round
+    write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), durable=False,
+                     mode=0o644)
 
 
 def _json_default(value: Any) -> Any:

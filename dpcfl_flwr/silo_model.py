@@ -28,16 +28,14 @@ with private metrics), ``metrics`` (``exact`` / ``private``), ``num_test``, ``ep
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .files import write_atomically
 from .models import build_model
 from .protocol import OWN
 
@@ -120,26 +118,6 @@ def _replaces(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
     return bool(new["final"]) or int(new["round"]) >= int(old.get("round", 0))
 
 
-def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    with contextlib.suppress(OSError):  # the rename itself durable, where the OS allows it
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-
 def evaluated_metadata(silo: Silo, server_round: int, cluster: int, rounds: int | None,
                        reported: dict[str, float], exact: dict[str, float]) -> dict[str, Any]:
     """The metadata of the model ``silo`` was just evaluated on in ``server_round``."""
@@ -183,7 +161,8 @@ def keep_evaluated_model(silo: Silo, state: dict[str, torch.Tensor], metadata: d
         return None
     state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
     try:
-        _write_atomically(path, {"state_dict": state, "metadata": metadata})
+        payload = {"state_dict": state, "metadata": metadata}
+        write_atomically(path, lambda handle: torch.save(payload, handle))
     except OSError as exc:
         logger.error("silo %s could not write its model to %s: %s", metadata["partition_id"],
                      path, exc)

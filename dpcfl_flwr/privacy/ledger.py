@@ -13,7 +13,6 @@ import fcntl
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..files import write_atomically
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .selection import selection_rdp
 
@@ -165,19 +165,8 @@ class PrivacyLedger:
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash leaves either the old or the new file, never half."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(self.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_directory(target.parent)
+        text = self.to_json().encode("utf-8")
+        write_atomically(path, lambda handle: handle.write(text))
 
     @classmethod
     def load(cls, path: str | Path) -> PrivacyLedger:
@@ -212,14 +201,3 @@ def ledger_lock(path: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -14,7 +14,6 @@ so never resume from a directory someone else handed you.
 
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ExperimentConfig
+from ..files import write_atomically
 from ..methods.base import SiloInfo
 from ..validation import ConfigError
 
@@ -57,13 +57,8 @@ def checkpoint_path(experiment: ExperimentConfig) -> Path:
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` to ``path`` atomically and durably (temp file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with temporary.open("wb") as handle:
-        pickle.dump(checkpoint, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, lambda handle: pickle.dump(checkpoint, handle,
+                                                      protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_checkpoint(path: Path, experiment: ExperimentConfig) -> Checkpoint:
