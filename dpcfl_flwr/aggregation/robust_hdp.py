@@ -1,0 +1,63 @@
+"""Robust-HDP: weight each silo by the inverse of its noise variance as read off the updates
+(paper 002 §3.4, Alg. 1; docs/aggregation.md#robust-hdp).
+
+The noise-free updates of silos with similar data are nearly low-rank, the DP noise in them is
+not, so robust PCA of the p' x n matrix of updates (one column per silo) puts each silo's
+noise in the sparse part S. sigma_hat_i^2 = ||S[:, i]||^2 / p' estimates silo i's
+per-coordinate noise variance up to a factor common to all silos, which is all the
+inverse-variance weights need (§3.5). Nothing a silo reports enters, so a silo that
+overstates its epsilon gains no weight (§3.3).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from .fact_rules import sample_weights
+from .facts import Combination, RuleSettings, UpdateFacts
+from .noise import inverse_variance_weights
+from .rpca import principal_component_pursuit
+
+log = logging.getLogger(__name__)
+
+
+def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.ndarray:
+    """sigma_hat_i^2 per silo: ||S[:, i]||^2 / rows for the RPCA of the first p' coordinates
+    of the (n, p) ``updates`` (units: the update's, squared)."""
+    rows = min(updates.shape[1], settings.rpca_rows)
+    block = updates[:, :rows].T
+    result = principal_component_pursuit(block, tol=settings.rpca_tol,
+                                          max_iter=settings.rpca_max_iter)
+    if not result.converged:
+        log.warning("RPCA stopped after %d iterations at relative residual %.2e (tol %.1e); "
+                    "using its current split", result.iterations, result.residual,
+                    settings.rpca_tol)
+    return np.asarray(np.sum(result.sparse**2, axis=0) / rows)
+
+
+def robust_hdp(
+    updates: np.ndarray, facts: Sequence[UpdateFacts], settings: RuleSettings,
+) -> Combination:
+    """Inverse estimated-variance weights, or "samples" weights (with ``fallback`` saying
+    why) when the cluster has fewer than ``rpca_min_silos`` updates or some silo's estimate
+    is zero.
+
+    A zero estimate means RPCA explained that silo's update entirely by the low-rank part (an
+    all-zero update, a copy of others, or a silo adding no noise). Its inverse would be
+    infinite and hand it all the weight; for an update that carries no information that is
+    the worst answer, so the rule does not trust this round's estimates at all.
+    """
+    if len(facts) < settings.rpca_min_silos:
+        return Combination(sample_weights(facts), updates, None,
+                           f"robust-hdp: {len(facts)} update(s) < rpca_min_silos="
+                           f"{settings.rpca_min_silos}; samples weights")
+    variances = estimate_noise_variances(updates, settings)
+    silent = [f.partition for f, v in zip(facts, variances, strict=True) if not v > 0]
+    if silent:
+        return Combination(sample_weights(facts), updates, variances,
+                           f"robust-hdp: zero estimated noise for silo(s) {silent} (update "
+                           "fully low-rank); samples weights")
+    return Combination(inverse_variance_weights(variances), updates, variances, None)
