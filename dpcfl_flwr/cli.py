@@ -283,6 +283,9 @@ def compare(
     cpus: int = typer.Option(0, "--cpus", min=0, help="CPUs for each simulation (0: all)."),
     overrides: list[str] = typer.Option(
         None, "--set", help="Override a key in every run: --set budget-mode=joint."),
+    aggregations: str = typer.Option(
+        None, "--aggregations", help="Comma-separated aggregation rules: one row per method "
+        "and rule (method/rule), runs in <out>/<method>-<rule>/. Default: the config's rule."),
 ) -> None:
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
     write summary.md / summary.csv / comparison.png in the paper's form."""
@@ -292,6 +295,7 @@ def compare(
         parse_numbers,
         plan_grid,
         run_grid,
+        variants,
         write_reports,
     )
     from .compare import collect as collect_cells
@@ -301,15 +305,18 @@ def compare(
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         eps_list = parse_numbers(epsilons, float)
         seed_list = parse_numbers(seeds, int)
+        rules = None if aggregations is None else [
+            r.strip() for r in aggregations.split(",") if r.strip()]
         base, per_method = apply_overrides(
-            *load_grid_config(config), dict(parse_override(item) for item in overrides or []))
-        runs = plan_grid(method_list, eps_list, seed_list, out)
+            *load_grid_config(config), dict(parse_override(item) for item in overrides or []),
+            axis=rules is not None)
+        runs = plan_grid(method_list, eps_list, seed_list, out, rules)
         failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
             line, highlight=False))
     except (ValueError, OSError) as exc:
         _fail(str(exc))
         return
-    table = write_reports(collect_cells(runs), method_list, eps_list, out)
+    table = write_reports(collect_cells(runs), variants(method_list, rules), eps_list, out)
     console.print(table)
     console.print(f"tables and plot in {out}/summary.md, summary.csv, comparison.png")
     if failed:
@@ -325,7 +332,7 @@ def report(
     """Print a run's summary table (and per-silo outcome), redraw its figures and say where
     its TensorBoard event files are."""
     from .board import BOARD_DIR, event_files
-    from .progress import percent, summary_table
+    from .progress import silo_table, summary_table
     from .results import redraw_figures
 
     path = results_dir / "results.json"
@@ -335,18 +342,7 @@ def report(
         _fail(f"{path}: cannot read the results ({exc})")
         return
     console.print(summary_table(results))
-    table = Table(title="silos", show_header=True)
-    # Headers that wrap at spaces: the table fits an 80-column terminal.
-    for column in ("silo", "cluster true → final", "test acc", "round", "eps spent",
-                   "spent before", "dropped", "refused"):
-        table.add_column(column)
-    for c in results["clients"]:
-        table.add_row(str(c["partition"]), f"{c['true_cluster']} → {c['final_cluster']}",
-                      percent(c["test_accuracy"]) + (" stale" if c.get("stale") else ""),
-                      str(c.get("evaluated_round") or "-"), f"{c['epsilon_spent']:.3f}",
-                      f"{c.get('epsilon_spent_before_run') or 0.0:.3f}",
-                      str(c["dropped_rounds"] or ""), str(c["refused_rounds"] or ""))
-    console.print(table)
+    console.print(silo_table(results))
     if not results.get("complete"):
         console.print("[yellow]the run did not finish: these are its last saved results[/]")
     if plots:

@@ -154,3 +154,41 @@ def _spent_before(results: dict[str, Any]) -> str:
     if not spent:
         return "none"
     return ", ".join(f"silo {p}: {before:.4g} of {budget:g}" for p, before, budget in spent)
+
+
+def silo_table(results: dict[str, Any]) -> Table:
+    """Each silo's outcome: cluster (true → final), test accuracy and its round, epsilon spent
+    (in this run / before it) against the budget it claims, its noise multiplier z and batch
+    b_i, its weight in its cluster's last aggregation, and the rounds it dropped out of / it
+    refused. A figure older results lack is ``-``. Headers wrap at spaces: the table fits 100
+    columns."""
+    table = Table(title="silos", show_header=True)
+    for column in ("silo", "cluster true → final", "test acc", "round", "eps spent",
+                   "eps claim", "spent before", "z", "batch", "weight", "dropped / refused"):
+        # A header of several words takes the width of its longest (5 at least: 0.123), so its
+        # words wrap; left alone, rich narrows the widest columns first and cuts their headers.
+        table.add_column(column, justify="left" if "→" in column or "/" in column else "right",
+                         max_width=max(5, *map(len, column.split())) if " " in column else None)
+    for c in results["clients"]:
+        table.add_row(str(c["partition"]), f"{c['true_cluster']} → {c['final_cluster']}",
+                      percent(c.get("test_accuracy")) + (" stale" if c.get("stale") else ""),
+                      str(c.get("evaluated_round") or "-"), _number(c.get("epsilon_spent"), 3),
+                      _number(c.get("epsilon_budget"), 4, "g"),
+                      _number(c.get("epsilon_spent_before_run") or 0.0, 3),
+                      _number(c.get("noise_multiplier"), 3), str(c.get("batch_size") or "-"),
+                      _number(c.get("aggregation_weight"), 3),
+                      _lost_rounds(c.get("dropped_rounds"), c.get("refused_rounds")))
+    return table
+
+
+def _number(value: Any, digits: int, form: str = "f") -> str:
+    return f"{value:.{digits}{form}}" if _known(value) else "-"
+
+
+def _lost_rounds(dropped: list[int] | None, refused: list[int] | None) -> str:
+    """'3,7 / -': the rounds a silo dropped out of / refused; none of either: empty (the
+    common case stays quiet)."""
+    if not dropped and not refused:
+        return ""
+    return " / ".join(",".join(map(str, rounds)) if rounds else "-"
+                      for rounds in (dropped, refused))
