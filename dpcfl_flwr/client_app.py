@@ -190,12 +190,14 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
                                             dict[str, float]]:
     """Plan, check, (select and) train one round; returns the update, the weights it started
     from and the reply's numbers. Runs under the ledger's lock."""
-    schedule = Schedule.from_request(request)
+    proposed = Schedule.from_request(request)
+    schedule = silo.own_schedule(proposed)
+    batch = silo.own_batch(request.batch, proposed)
     plan = silo.plan(schedule, request.run_key)
     server_round, cluster = request.server_round, request.cluster
     selecting = cluster == SELECT
-    planned: list[GaussianSteps | Selection] = [
-        silo.round_cost(plan, request.batch, server_round, schedule.local_epochs)]
+    cost = silo.round_cost(plan, batch, server_round, schedule.local_epochs)
+    planned: list[GaussianSteps | Selection] = [cost]
     if selecting:
         planned.append(Selection(plan.epsilon_select, round=server_round))
     silo.check(planned, server_round)
@@ -209,11 +211,13 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
     if ANCHOR in records and request.prox_variant == "correct":
         prox = (request.prox_lambda, _model(records, ANCHOR, silo))
     dp = DPSGDConfig(plan.noise_multiplier, request.clip_norm, request.learning_rate,
-                     request.batch, schedule.local_epochs,
-                     silo.experiment.physical_batch_size or None)
+                     batch, schedule.local_epochs, silo.experiment.physical_batch_size or None)
     update, metrics = silo.train(start, dp, server_round, prox)
+    # z, b and the steps let the server (and an evaluation-only oracle) size the round's noise
     metrics.update({"cluster": cluster, "selected": int(selecting),
-                    "noise-multiplier": plan.noise_multiplier})
+                    "noise-multiplier": plan.noise_multiplier,
+                    "batch-size": silo.data.num_train if batch == "full" else batch,
+                    "steps": cost.steps})
     return update, start, metrics
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from . import registry
 from .data import Topology
+from .heterogeneity import partition_list, per_silo_values
 from .validation import ConfigError, ConfigModel, kebab, one_line_error
 
 
@@ -55,8 +56,19 @@ class ExperimentConfig(ConfigModel):
     # (docs/privacy.md#private-evaluation-metrics)
     metrics: Literal["exact", "private"] = "exact"
     metrics_noise: float = Field(10.0, gt=0.0, allow_inf_nan=False)
-    # how a cluster model combines its trainers' updates (docs/algorithm.md#aggregation)
-    aggregation: Literal["uniform", "samples"] = "uniform"
+    # how a cluster model combines its trainers' updates (docs/aggregation.md): a rule of
+    # dpcfl_flwr.aggregation.RULES, and Robust-HDP's RPCA settings
+    aggregation: str = "uniform"
+    rpca_rows: int = Field(200_000, ge=1, description="p': RPCA on the first p' coordinates")
+    rpca_min_silos: int = Field(5, ge=2, description="fewer: the cluster falls back to samples")
+    # simulation only: silos that differ (dpcfl_flwr/heterogeneity.py,
+    # docs/heterogeneous-silos.md); a deployed silo's own file sets its values
+    silo_epsilons: str = ""
+    silo_deltas: str = ""
+    silo_batch_sizes: str = ""
+    silo_samples: str = ""
+    lying_silos: str = ""
+    lie_factor: float = Field(10.0, gt=0.0, allow_inf_nan=False)
     # running
     eval_every: int = Field(5, ge=1)
     seed: int = 0
@@ -92,11 +104,53 @@ class ExperimentConfig(ConfigModel):
             raise ValueError(f"not a registered method; choose from {', '.join(names)}")
         return value
 
-    @field_validator("clusters")
+    @field_validator("clusters", mode="before")
     @classmethod
-    def _valid_topology(cls, value: str) -> str:
+    def _valid_topology(cls, value: Any) -> str:
+        # one cluster is a bare number (`--set clusters=20`, `clusters = 20` in TOML)
+        value = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
         Topology.parse(value)
+        return str(value)
+
+    @field_validator("aggregation")
+    @classmethod
+    def _known_rule(cls, value: str) -> str:
+        from .aggregation import RULES
+        if value not in RULES:
+            raise ValueError(f"not an aggregation rule; choose from {', '.join(RULES)}")
         return value
+
+    @model_validator(mode="after")
+    def _valid_silo_values(self) -> ExperimentConfig:
+        """Every per-silo list readable, one value per silo of the topology."""
+        for partition in range(self.topology.num_clients):
+            if self.silo_overrides(partition).get("delta", 0.0) >= 1.0:
+                raise ValueError(f"silo-deltas = {self.silo_deltas!r}: every delta must be "
+                                 "below 1")
+        return self
+
+    def silo_overrides(self, partition: int) -> dict[str, Any]:
+        """Silo ``partition``'s own values from the per-silo keys (simulation): the node-config
+        keys they set, absent when the key is empty. ValueError names a bad key."""
+        count = self.topology.num_clients
+        values: dict[str, Any] = {}
+        for key, field_name, cast in _PER_SILO:
+            listed = per_silo_values(key, getattr(self, key.replace("-", "_")), count, cast)
+            if listed is not None and partition < count:
+                values[field_name] = listed[partition]
+        if partition in partition_list("lying-silos", self.lying_silos, count):
+            values["reported_epsilon"] = self.lie_factor * values.get("epsilon", self.epsilon)
+        return values
+
+    @model_validator(mode="after")
+    def _rule_applies(self) -> ExperimentConfig:
+        """Only a method whose models are weighted means of updates takes another rule."""
+        if self.aggregation != "uniform" and not registry.method_class(
+                self.method).weighs_updates:
+            raise ValueError(f"method {self.method} combines its updates its own way: "
+                             f"aggregation = {self.aggregation!r} would not apply (leave it "
+                             "'uniform')")
+        return self
 
     @model_validator(mode="after")
     def _every_table(self) -> ExperimentConfig:
@@ -167,6 +221,12 @@ class SiloConfig(ConfigModel):
     threads: int = Field(0, ge=0)
     device: str = "cpu"
     noise_seed: int = Field(-1, ge=-1, description="tests only: fixes DP noise; -1: OS entropy")
+    # the silo's own expected batch size b_i (records) for DP-SGD steps below rate 1; unset:
+    # the server's proposal (docs/heterogeneous-silos.md)
+    batch_size: int | None = Field(None, ge=1)
+    # attack experiments only: the budget the silo *tells* the server; it still calibrates its
+    # noise for, and spends within, its real ``epsilon``
+    reported_epsilon: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
     @field_validator("device")
     @classmethod
@@ -209,6 +269,8 @@ class SiloConfig(ConfigModel):
                           threads=1)
         if trust_run_config and self.noise_seed < 0 <= experiment.noise_seed:
             source["noise_seed"] = 1000 * experiment.noise_seed + self.partition_id
+        if trust_run_config:
+            source.update(experiment.silo_overrides(self.partition_id))
         return self.model_copy(update={key: value for key, value in source.items()
                                        if self._unset(key)})
 
@@ -223,6 +285,11 @@ class SiloConfig(ConfigModel):
     def topology(self) -> Topology:
         """The topology of a resolved config (the silo's cluster comes from it)."""
         return Topology.parse(self.clusters or ExperimentConfig.model_fields["clusters"].default)
+
+
+#: Per-silo run-config keys (simulation), the SiloConfig field each sets, and its type.
+_PER_SILO = (("silo-epsilons", "epsilon", float), ("silo-deltas", "delta", float),
+             ("silo-batch-sizes", "batch_size", int), ("silo-samples", "samples_per_client", int))
 
 
 #: The data-split settings a silo reads from its node config (simulation: the run config).

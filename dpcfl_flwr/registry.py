@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 class MethodClass(Protocol):
     """What the registry and its readers use of a method's class
-    (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, two flags, and
+    (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, three flags, and
     the constructor ``(experiment, params, state)``."""
 
     name: str
@@ -30,6 +30,7 @@ class MethodClass(Protocol):
     Params: type[BaseModel]
     personal: bool
     discovers_clusters: bool
+    weighs_updates: bool
 
     def __call__(self, experiment: Any, params: Any, state: Any) -> Any: ...
 

@@ -63,6 +63,8 @@ class TrainRequest(_Request):
     conversion: Literal["classic", "tight"]
     budget_mode: Literal["split", "joint"]
     evaluations: int = Field(0, ge=0, le=MAX_ROUNDS)
+    # calibrate for this smaller epsilon if it is below the silo's budget (0: the budget)
+    epsilon_target: float = Field(0.0, ge=0.0)
 
     @field_validator("round_batch", "first_batch", mode="before")
     @classmethod

@@ -143,6 +143,7 @@ class RunRecorder:
             "silo_cpu_seconds": {str(p): round(c, 3)
                                  for p, c in sorted(report.client_cpu_seconds.items())},
             "test_accuracy": {str(p): _finite(a) for p, a in tested.items()},
+            "aggregation": {str(m): block for m, block in sorted(report.aggregation.items())},
         }
 
     def results(self, strategy: ClusteredStrategy, complete: bool) -> dict[str, Any]:
@@ -157,6 +158,7 @@ class RunRecorder:
              "epsilon_spent": s.epsilon_spent, "epsilon_budget": s.epsilon_budget,
              "epsilon_spent_before_run": s.epsilon_spent_before,
              "delta": s.delta, "noise_multiplier": s.noise_multiplier,
+             "batch_size": s.batch_size, "aggregation_weight": s.weight,
              "num_train": s.num_train, "dropped_rounds": s.dropped_rounds,
              "refused_rounds": s.refused_rounds, "exhausted": s.exhausted}
             for p, s in sorted(strategy.silos.items())

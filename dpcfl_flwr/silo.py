@@ -87,9 +87,12 @@ def records_problem(settings: SiloConfig) -> str | None:
     every message never joins a run."""
     try:
         settings.topology.cluster_of(settings.partition_id)
-        _client_data(settings)
+        records = _client_data(settings).num_train
     except (DataError, ValueError, OSError) as exc:
         return f"the silo's records: {exc}"
+    if settings.batch_size is not None and settings.batch_size > records:
+        return (f"the silo's batch-size {settings.batch_size} exceeds its {records} training "
+                "records")
     return None
 
 
@@ -129,11 +132,16 @@ class Silo:
 
     def describe(self) -> dict[str, float | int]:
         """What the silo tells the server about itself (the ``query`` reply)."""
-        return {
+        described: dict[str, float | int] = {
             "partition-id": self.silo.partition_id, "true-cluster": self.true_cluster,
-            "num-train": self.data.num_train, "epsilon-budget": self.budget.epsilon,
+            "num-train": self.data.num_train,
+            # what it claims: its real budget, unless it is set to lie (attack experiments)
+            "epsilon-budget": self.silo.reported_epsilon or self.budget.epsilon,
             "delta": self.budget.delta, "epsilon-spent": self.spent(),
         }
+        if self.silo.batch_size is not None:
+            described["batch-size"] = self.silo.batch_size
+        return described
 
     # --- ledger ---------------------------------------------------------------------------
     def _load_ledger(self) -> PrivacyLedger:
@@ -203,17 +211,19 @@ class Silo:
         n, b = self.data.num_train, self.budget
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
         reserved = self._reserved_metrics(s)
+        # a server may ask for less than the budget (minimum-epsilon baseline), never more
+        target = min(b.epsilon, s.epsilon_target) if s.epsilon_target > 0 else b.epsilon
         try:
             if not self.ledger.entries:
                 # the run's private evaluations compose with the training (RDP)
-                plan = plan_noise(phases, b.epsilon, b.delta, s.select_rounds, s.select_ratio,
+                plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
                                   s.conversion, s.budget_mode,
                                   extra_rdp=self.ledger.rdp(reserved) if reserved else None)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key())
             # Earlier runs already spent part of the budget: fit this run into what is left.
-            eps_select = s.select_ratio * b.epsilon
+            eps_select = s.select_ratio * target
             extra = self.ledger.rdp(reserved) + s.select_rounds * selection_rdp(eps_select)
-            z = calibrate_noise_multiplier(phases, b.epsilon, b.delta, s.conversion, extra)
+            z = calibrate_noise_multiplier(phases, target, b.delta, s.conversion, extra)
         except ValueError as exc:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key())
@@ -224,6 +234,22 @@ class Silo:
             return []
         assert self.silo.metrics_noise is not None  # resolved
         return [replace(metric_release_cost(self.silo.metrics_noise, None), steps=s.evaluations)]
+
+    def own_schedule(self, proposed: Schedule) -> Schedule:
+        """The schedule the silo runs: the server's, with the silo's own batch size b_i
+        (node config ``batch-size``) in place of the proposed b wherever it is set."""
+        own = self.silo.batch_size
+        if own is None:
+            return proposed
+        first = own if proposed.first_batch == proposed.batch_size else proposed.first_batch
+        return replace(proposed, batch_size=own, first_batch=first)
+
+    def own_batch(self, proposed: int | Literal["full"], schedule: Schedule
+                  ) -> int | Literal["full"]:
+        """The round's expected batch: the silo's own b_i where the server proposed its
+        schedule's b, else what it proposed (the full batch, R-DPCFL's round 1)."""
+        own = self.silo.batch_size
+        return own if own is not None and proposed == schedule.batch_size else proposed
 
     # --- rounds -----------------------------------------------------------------------------
     def check(self, planned: list[GaussianSteps | Selection], round_number: int) -> None:

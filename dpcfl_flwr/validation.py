@@ -40,4 +40,6 @@ def one_line_error(error: ValidationError, what: str, model: type[BaseModel],
         return ConfigError(f"{what}: '{key}' is missing")
     value = first.get("input")
     message = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a check of several keys together: its message names them
+        return ConfigError(f"{what}: {message}")
     return ConfigError(f"{what}: '{key}' = {value!r} is invalid: {message}")

@@ -125,6 +125,10 @@ def test_every_silo_stays_within_its_budget_across_the_resume(runs):
         assert client["epsilon_spent"] == pytest.approx(ledger.spent(budget))
         # one plan for the whole run, kept across the two Flower runs by the run key
         assert len(ledger.meta["runs"]) == 1
+    # what a silo spent before the kill is this run's, not an earlier run's
+    log = " ".join((root / "resumed.log").read_text().split())
+    assert "already spent" not in log
+    assert log.count("is back for the resumed run") == len(resumed["clients"])
 
 
 @pytest.mark.slow

@@ -8,13 +8,10 @@ cluster of a round. The rules are listed in ``RULES``.
 from .clusters import ClusterAggregation, cluster_means
 from .facts import Combination, RuleSettings, UpdateFacts
 from .noise import aggregated_noise_level, dp_noise_variance, oracle_noise_level
-from .paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
 from .rpca import PcpResult, principal_component_pursuit
 from .rules import RULES, combine
 
 __all__ = [
-    "DISTRIBUTIONS",
-    "PAPER_BATCH_SIZES",
     "RULES",
     "ClusterAggregation",
     "Combination",

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from sklearn.mixture import GaussianMixture
 
 from .fact_rules import epsilon_weights
 from .facts import Combination, RuleSettings, UpdateFacts
@@ -23,6 +22,8 @@ def public_silos(claims: np.ndarray, seed: int) -> np.ndarray:
     """Boolean mask of the "public" silos: the mixture component with the larger mean of a
     GMM(2) on min-max-scaled claimed epsilons (needs >= 2 distinct claims)."""
     scaled = (claims - claims.min()) / (claims.max() - claims.min())
+    from sklearn.mixture import GaussianMixture  # only a PFA run pays for the import
+
     mixture = GaussianMixture(n_components=2, random_state=seed).fit(scaled.reshape(-1, 1))
     labels = mixture.predict(scaled.reshape(-1, 1))
     return np.asarray(labels == int(np.argmax(mixture.means_.ravel())))

@@ -63,8 +63,13 @@ def silo_file_text(topology: Topology, index: int, superlink: str, runtime_port:
     minority = topology.minority_cluster()
     role = ("no minority: equal smallest clusters" if minority is None
             else "minority" if cluster == minority else "majority")
+    # its own values where the run config gives silos different ones (silo-epsilons, ...)
+    own = {key.replace("_", "-"): value
+           for key, value in experiment.silo_overrides(index).items()}
+    budget = {"epsilon": own.pop("epsilon", experiment.epsilon),
+              "delta": own.pop("delta", experiment.delta)}
     split = "\n".join(f"{key} = {_toml(value)}"
-                      for key, value in silo_split(experiment, topology).items())
+                      for key, value in {**silo_split(experiment, topology), **own}.items())
     return f'''# {name}: client {index} of topology {{{topology}}}, true cluster {cluster} ({role}).
 # Launch with `dpcfl client PATH-OF-THIS-FILE` (relative paths below are relative to it).
 # Its budget, ledger and records are its own: the server's run config never changes them.
@@ -77,8 +82,8 @@ runtime-port = {runtime_port}
 
 [node]
 partition-id = {index}
-epsilon = {experiment.epsilon!r}
-delta = {experiment.delta!r}
+epsilon = {budget["epsilon"]!r}
+delta = {budget["delta"]!r}
 ledger-path = "../ledgers/{name}.json"
 {split}
 threads = 1

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ..aggregation import cluster_means
+from ..aggregation import RuleSettings, UpdateFacts, cluster_means
 from ..privacy.schedule import Schedule
 from ..protocol import WireModel
 from ..validation import ConfigModel
@@ -77,6 +77,10 @@ class SiloInfo:
     test_accuracy: float | None = None
     test_loss: float | None = None
     noise_multiplier: float | None = None
+    #: expected batch size (records) of its last round, as it reported it
+    batch_size: int | None = None
+    #: its weight in its cluster's last aggregation (docs/aggregation.md)
+    weight: float | None = None
     #: Epsilon its ledger held when it joined this run (earlier runs' spend): the budget this
     #: run can use is what is left, so its noise is larger than a fresh silo's.
     epsilon_spent_before: float = 0.0
@@ -90,6 +94,10 @@ class TrainReply:
     cluster: int
     update: np.ndarray | None
     metrics: dict[str, Any]
+    #: per-coordinate variance of the DP noise in the update at learning rate 1, from the z,
+    #: batch size and steps the silo reports (None when it reports none): evaluation only
+    #: (the oracle rule, the noise-level figures); nothing private depends on it
+    noise_variance: float | None = None
 
 
 @dataclass
@@ -103,6 +111,8 @@ class ServerState:
     initial: np.ndarray
     models: list[np.ndarray] = field(default_factory=list)
     silos: dict[int, SiloInfo] = field(default_factory=dict)
+    #: the last round's aggregation of each cluster it moved: weights, noise levels, fallback
+    aggregation: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def reset_models(self, count: int) -> None:
         """``count`` cluster models, each theta_init."""
@@ -125,6 +135,9 @@ class Method(ABC):
     personal: ClassVar[bool] = False
     #: The method learns the cluster structure (results say whether it found it).
     discovers_clusters: ClassVar[bool] = False
+    #: Its cluster models move by :meth:`absorb`'s weighted means, so the run config's
+    #: ``aggregation`` rule applies (False: the method combines updates its own way).
+    weighs_updates: ClassVar[bool] = True
 
     def __init__(self, experiment: ExperimentConfig, params: BaseModel,
                  state: ServerState) -> None:
@@ -178,16 +191,25 @@ class Method(ABC):
     # --- learning from the replies ------------------------------------------------------------
     def absorb(self, server_round: int, replies: dict[int, TrainReply]) -> None:
         """Learn from the round's checked replies (by partition); by default each cluster
-        model moves by the mean of its trainers' updates (docs/algorithm.md#aggregation)."""
-        self.state.models = cluster_means(
-            self.state.models, {p: (r.cluster, r.update) for p, r in replies.items()
-                                if r.update is not None}, self.weights(replies))
+        model moves by its trainers' updates, weighted by the run's aggregation rule
+        (docs/aggregation.md)."""
+        contributions = {p: (r.cluster, r.update) for p, r in replies.items()
+                         if r.update is not None}
+        e = self.experiment
+        self.state.models, combined = cluster_means(
+            self.state.models, contributions,
+            {p: self.update_facts(p, replies[p]) for p in contributions}, e.aggregation,
+            RuleSettings(rpca_rows=e.rpca_rows, rpca_min_silos=e.rpca_min_silos, seed=e.seed))
+        self.state.aggregation = {m: c.to_dict() for m, c in combined.items()}
+        for aggregation in combined.values():
+            for partition, weight in aggregation.weights.items():
+                self.state.silos[partition].weight = weight
 
-    def weights(self, replies: dict[int, TrainReply]) -> dict[int, float]:
-        """Aggregation weights: 1 per silo (uniform, the paper's) or its record count N_i."""
-        if self.experiment.aggregation == "samples":
-            return {p: float(self.state.silos[p].num_train) for p in replies}
-        return dict.fromkeys(replies, 1.0)
+    def update_facts(self, partition: int, reply: TrainReply) -> UpdateFacts:
+        """What the aggregation rule may know of silo ``partition``'s update: its record
+        count and the budget it claims, as it told the server, and the reported noise."""
+        silo = self.state.silos[partition]
+        return UpdateFacts(partition, silo.num_train, silo.epsilon_budget, reply.noise_variance)
 
     @abstractmethod
     def current_cluster(self, partition: int) -> int:

@@ -30,6 +30,7 @@ class KMeansCFL(Method):
     title = "KM-CDPFL: k-means on every round's DP updates"
     Params = KMeansParams
     discovers_clusters = True
+    weighs_updates = False  # each cluster is the plain mean of its members' models
     params: KMeansParams
 
     def __init__(self, experiment: ExperimentConfig, params: KMeansParams,

@@ -16,6 +16,7 @@ class LocalDP(Method):
     name = "local"
     title = "Local: each silo trains its own model, no federation"
     personal = True  # the silos keep their models: no cluster models on the server
+    weighs_updates = False
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return dict.fromkeys(partitions, INITIAL if server_round == 1 else OWN)

@@ -35,6 +35,7 @@ class MRMTL(Method):
 
     name = "mrmtl"
     title = "MR-MTL: personal models pulled towards their mean"
+    weighs_updates = False  # one silo per model: there is nothing to weigh
     Params = MRMTLParams
     params: MRMTLParams
 

@@ -112,15 +112,22 @@ class Schedule:
     #: evaluate queries the server will send; a silo with private metrics reserves budget
     #: for them (and refuses more once its budget is spent)
     evaluations: int = 0
+    #: a smaller epsilon the server asks every silo to calibrate for (the "minimum epsilon"
+    #: baseline, docs/aggregation.md); 0: the silo's own budget. A silo takes it only when it
+    #: is below its budget: a server can make a silo spend less, never more.
+    epsilon_target: float = 0.0
 
     def to_config(self) -> dict[str, Any]:
-        return {
+        config = {
             "rounds": self.rounds, "local-epochs": self.local_epochs,
             "batch-size": self.batch_size, "first-batch": str(self.first_batch),
             "select-rounds": self.select_rounds, "select-ratio": self.select_ratio,
             "conversion": self.conversion, "budget-mode": self.budget_mode,
             "evaluations": self.evaluations,
         }
+        if self.epsilon_target > 0:  # absent otherwise: runs planned before it keep their key
+            config["epsilon-target"] = self.epsilon_target
+        return config
 
     @classmethod
     def from_request(cls, request: TrainRequest) -> Schedule:
@@ -128,7 +135,7 @@ class Schedule:
         return cls(request.rounds, request.local_epochs, request.batch_size,
                    "full" if first == "full" else int(first), request.select_rounds,
                    request.select_ratio, request.conversion, request.budget_mode,
-                   request.evaluations)
+                   request.evaluations, request.epsilon_target)
 
     def key(self) -> str:
         return repr(sorted(self.to_config().items()))

@@ -49,6 +49,8 @@ class Checkpoint:
     rows: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
     version: int = VERSION
+    #: the epsilon every silo was asked to calibrate for (minimum-epsilon rule), else 0
+    epsilon_target: float = 0.0
 
 
 def checkpoint_path(experiment: ExperimentConfig) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
+from ..aggregation import dp_noise_variance
 from ..methods.base import INITIAL, TrainReply
 from ..protocol import METRICS, OWN, UPDATE, ModelLayout, metrics_of, model_records, number
 
@@ -37,12 +38,15 @@ def known_number(record: Mapping[str, Any], key: str) -> float | None:
     return None
 
 
-def train_reply(message: Message, layout: ModelLayout, n_clusters: int) -> TrainReply:
+def train_reply(message: Message, layout: ModelLayout, n_clusters: int,
+                clip_norm: float) -> TrainReply:
     """A silo's train reply, checked: only ``cluster``, ``epsilon-spent`` and
     ``noise-multiplier`` must be there; a silo's own numbers about its data (validation
-    accuracy and loss) are optional. ``layout``: the model's, which the update must have;
-    ``n_clusters``: M, which bounds the cluster it says it trained. ValueError says why a
-    reply cannot be used."""
+    accuracy and loss) and its round's ``batch-size`` and ``steps`` are optional.
+    ``layout``: the model's, which the update must have; ``n_clusters``: M, which bounds the
+    cluster it says it trained; ``clip_norm``: C, to size the noise it reports (only for
+    evaluation figures, :attr:`TrainReply.noise_variance`). ValueError says why a reply
+    cannot be used."""
     metrics, numbers = reply_numbers(message, ("cluster", "epsilon-spent", "noise-multiplier"))
     cluster = int(numbers[0])
     models = model_records(message.content)
@@ -52,4 +56,8 @@ def train_reply(message: Message, layout: ModelLayout, n_clusters: int) -> Train
     if update is not None and not np.isfinite(update).all():
         raise ValueError("its update has non-finite values")
     fields = {k: v for k, v in metrics.items() if not isinstance(v, bytes)}  # not the update
-    return TrainReply(cluster, update, fields)
+    batch, steps = known_number(metrics, "batch-size"), known_number(metrics, "steps")
+    variance = None
+    if batch is not None and steps is not None and batch > 0 and steps >= 0:
+        variance = dp_noise_variance(numbers[2], clip_norm, 1.0, batch, steps)
+    return TrainReply(cluster, update, fields, variance)

@@ -66,6 +66,8 @@ class SiloRoster:
         self.name = method_name
         self.needs = method_needs
         self._noise_checked: set[int] = set()  # silos whose z was compared with the others'
+        #: partitions of the checkpoint a resumed run continues: what they spent is this run's
+        self.resuming: set[int] = set()
 
     def silos_needed(self) -> int:
         return self.needs
@@ -199,31 +201,38 @@ class SiloRoster:
             return
         self.silos[partition] = SiloInfo(partition, node, cluster, num_train, budget, delta, spent,
                                          epsilon_spent_before=spent)
-        if spent > 0:
+        if partition in self.resuming:
+            logger.info("silo %d is back for the resumed run (eps %.4g of %g spent so far)",
+                        partition, spent, budget)
+        elif spent > 0:
             logger.warning("silo %d starts with eps %.4g of %g already spent (earlier runs): "
                            "this run can use the %.4g left, with larger noise", partition,
                            spent, budget, max(budget - spent, 0.0))
 
     def check_noise_multipliers(self, server_round: int, replied: list[int]) -> None:
         """Log, once per silo, a silo whose noise multiplier z differs from the one most silos
-        use: it calibrated for a smaller budget (spent in an earlier run) or another data size,
-        so its updates are noisier than the others'."""
+        with its budget, batch size and record count use: it calibrated for a smaller budget
+        (spent in an earlier run), so its updates are noisier than theirs. Silos that differ
+        on purpose (heterogeneous budgets, docs/heterogeneous-silos.md) are not compared."""
         new = [p for p in replied if p not in self._noise_checked]
         self._noise_checked.update(new)
-        known = {p: round(s.noise_multiplier, 4) for p, s in self.silos.items()
-                 if s.noise_multiplier is not None}
-        counts = Counter(known.values())
-        if len(counts) < 2:
-            return
-        usual = max(counts, key=lambda z: (counts[z], -z))
+        peers: dict[tuple[float, int | None, int], Counter[float]] = {}
+        for silo in self.silos.values():
+            if silo.noise_multiplier is not None:
+                peers.setdefault(_kind(silo), Counter())[round(silo.noise_multiplier, 4)] += 1
         for partition in new:
-            if known.get(partition, usual) != usual:
-                silo = self.silos[partition]
+            silo = self.silos[partition]
+            counts = peers.get(_kind(silo), Counter())
+            if silo.noise_multiplier is None or len(counts) < 2:
+                continue
+            usual = max(counts, key=lambda z: (counts[z], -z))
+            mine = round(silo.noise_multiplier, 4)
+            if mine != usual:
                 logger.warning(
                     "round %d: silo %d trains with noise multiplier z=%.4g, %d other silo(s) "
                     "with %.4g (its budget eps %g, %.4g spent before this run; %d training "
-                    "records)", server_round, partition, known[partition], counts[usual],
-                    usual, silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
+                    "records)", server_round, partition, mine, counts[usual], usual,
+                    silo.epsilon_budget, silo.epsilon_spent_before, silo.num_train)
 
     def note_error(self, server_round: int, silo: SiloInfo, message: Message,
                    refused: list[int]) -> None:
@@ -237,3 +246,8 @@ class SiloRoster:
             silo.dropped_rounds.append(server_round)
             logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
                          message.error.code, reason)
+
+
+def _kind(silo: SiloInfo) -> tuple[float, int | None, int]:
+    """What a silo's noise multiplier should depend on: its budget, batch and record count."""
+    return silo.epsilon_budget, silo.batch_size, silo.num_train

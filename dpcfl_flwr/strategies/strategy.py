@@ -19,9 +19,9 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -45,38 +45,10 @@ from ..protocol import (
 )
 from .checkpoint import Checkpoint
 from .replies import known_number, reply_numbers, train_reply
+from .round_report import RoundReport, RunObserver
 from .silos import SiloRoster
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundReport:
-    """What happened in one training round, for logs, progress and the results files.
-    Times in seconds; accuracies in [0, 1]; silos by partition."""
-
-    round: int
-    stage: str
-    seconds: float
-    trained: dict[int, int]  # partition -> cluster it trained
-    val_accuracy: dict[int, float]  # of the silos that report one (private metrics do not)
-    refused: list[int]
-    dropped: list[int]
-    server_seconds: float = 0.0
-    test_accuracy: dict[int, float] | None = None
-    client_cpu_seconds: dict[int, float] = field(default_factory=dict)
-
-    def cluster_sizes(self, n_clusters: int) -> list[int]:
-        counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
-        return counts.tolist()
-
-
-class RunObserver(Protocol):
-    """Receives the run as it happens (the results writer, a progress display)."""
-
-    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
-
-    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
 
 
 @dataclass
@@ -118,6 +90,7 @@ class ClusteredStrategy(Strategy):
         #: keeps the noise it calibrated for the run (a new Flower run id would not).
         self.run_key = secrets.randbits(62)
         self._restored: dict[int, SiloInfo] = {}
+        self._epsilon_target = 0.0
 
     # --- checkpoints ----------------------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
@@ -125,7 +98,8 @@ class ClusteredStrategy(Strategy):
         return Checkpoint(self.reports[-1].round if self.reports else 0,
                           self.experiment.to_run_config(), self.run_key,
                           [m.copy() for m in self.models], self.method.state_dict(),
-                          dict(self.silos), list(self.reports))
+                          dict(self.silos), list(self.reports),
+                          epsilon_target=self._epsilon_target)
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue after ``checkpoint``'s round: its models, method state, round reports and
@@ -136,6 +110,7 @@ class ClusteredStrategy(Strategy):
         self.reports = list(checkpoint.reports)
         self.run_key = checkpoint.run_key
         self._restored = dict(checkpoint.silos)
+        self._epsilon_target = checkpoint.epsilon_target
 
     # --- what the run reads -------------------------------------------------------------------
     @property
@@ -178,6 +153,7 @@ class ClusteredStrategy(Strategy):
     def discover(self, grid: Grid, expected: int, wait: float, required: int = 0) -> None:
         """Wait until ``expected`` silos can run, for at most ``wait`` s (see
         :meth:`.silos.SiloRoster.discover`); no silo has trained when this returns."""
+        self.roster.resuming = set(self._restored)
         self.roster.discover(grid, expected, wait, required)
         self.roster.adopt(self._restored)
         if self.observer is not None:
@@ -230,9 +206,17 @@ class ClusteredStrategy(Strategy):
             "cluster": cluster, "round-batch": str(method.round_batch(server_round)),
             "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
             "personal": int(method.personal), "run-key": self.run_key,
-            **replace(method.schedule(), evaluations=self.evaluations()).to_config(),
+            **replace(method.schedule(), evaluations=self.evaluations(),
+                      epsilon_target=self.epsilon_target()).to_config(),
             **method.silo_settings(server_round, cluster),
         }
+
+    def epsilon_target(self) -> float:
+        """``aggregation = "min-eps"``: the smallest budget the silos claim, fixed when first
+        asked (a silo's noise plan must not change within a run); else 0 (own budgets)."""
+        if self.experiment.aggregation == "min-eps" and not self._epsilon_target:
+            self._epsilon_target = min(s.epsilon_budget for s in self.silos.values())
+        return self._epsilon_target
 
     def _model_record(self, cluster: int) -> WireModel | None:
         if cluster == OWN:
@@ -269,7 +253,8 @@ class ClusteredStrategy(Strategy):
                 self.roster.note_error(server_round, silo, message, refused)
                 continue
             try:
-                reply = train_reply(message, self.layout, self.n_clusters)
+                reply = train_reply(message, self.layout, self.n_clusters,
+                                    self.experiment.clip_norm)
             except ValueError as exc:
                 silo.dropped_rounds.append(server_round)
                 logger.error("round %d: silo %d sent a reply the server cannot use (dropped): "
@@ -278,6 +263,8 @@ class ClusteredStrategy(Strategy):
             good[partition] = reply
             silo.epsilon_spent = number(reply.metrics, "epsilon-spent")
             silo.noise_multiplier = number(reply.metrics, "noise-multiplier")
+            batch = known_number(reply.metrics, "batch-size")
+            silo.batch_size = None if batch is None else int(batch)
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
@@ -291,6 +278,7 @@ class ClusteredStrategy(Strategy):
             refused, sorted(missing), server_seconds=time.monotonic() - started,
             client_cpu_seconds={p: number(r.metrics, "cpu-seconds") for p, r in good.items()
                                 if "cpu-seconds" in r.metrics},
+            aggregation=dict(self.state.aggregation),
         )
         self.reports.append(report)
         return report

@@ -1,0 +1,43 @@
+"""What one training round did (:class:`RoundReport`) and who hears of it
+(:class:`RunObserver`: the results writer, TensorBoard, a progress display)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .strategy import ClusteredStrategy
+
+
+@dataclass
+class RoundReport:
+    """What happened in one training round, for logs, progress and the results files.
+    Times in seconds; accuracies in [0, 1]; silos by partition."""
+
+    round: int
+    stage: str
+    seconds: float
+    trained: dict[int, int]  # partition -> cluster it trained
+    val_accuracy: dict[int, float]  # of the silos that report one (private metrics do not)
+    refused: list[int]
+    dropped: list[int]
+    server_seconds: float = 0.0
+    test_accuracy: dict[int, float] | None = None
+    client_cpu_seconds: dict[int, float] = field(default_factory=dict)
+    #: by cluster: the aggregation's weights, noise levels and fallback (docs/aggregation.md)
+    aggregation: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def cluster_sizes(self, n_clusters: int) -> list[int]:
+        counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
+        return counts.tolist()
+
+
+class RunObserver(Protocol):
+    """Receives the run as it happens (the results writer, a progress display)."""
+
+    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
+
+    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
