@@ -112,6 +112,14 @@ class ExperimentConfig(ConfigModel):
         Topology.parse(value)
         return str(value)
 
+    @field_validator("silo_epsilons", "silo_deltas", "silo_batch_sizes", "silo_samples",
+                     "lying_silos", mode="before")
+    @classmethod
+    def _one_value_list(cls, value: Any) -> Any:
+        """A list of one (``--set lying-silos=3``) arrives as a number."""
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+            else value
+
     @field_validator("aggregation")
     @classmethod
     def _known_rule(cls, value: str) -> str:

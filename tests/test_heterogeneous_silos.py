@@ -72,6 +72,8 @@ def test_each_simulated_silo_takes_its_own_values_and_a_liar_only_claims_more(tm
                                                                                      40)
     assert (liar.data.num_train, honest.data.num_train) == (60, 80)
     assert liar.describe()["epsilon-budget"] == 25.0  # what the server is told ...
+    assert _experiment(tmp_path, **{"lying-silos": 1}).silo_overrides(1) == {
+        "reported_epsilon": 40.0}  # a list of one arrives as a number
     assert honest.describe()["epsilon-budget"] == 0.7
     # ... while its noise is calibrated for, and its ledger bounded by, its real budget: the
     # same z as the same silo telling the truth

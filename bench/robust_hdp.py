@@ -1,0 +1,208 @@
+"""Robust-HDP's study at CPU scale on real Fashion-MNIST (issue 28; docs/aggregation.md).
+
+Three parts, each a ``dpcfl compare`` grid whose finished cells are kept, so the study can be
+stopped at any time and continued by running this again:
+
+1. **rules**: 20 i.i.d. silos (examples/robust-hdp-cpu.toml), each its own epsilon (presets
+   Dist2 and Dist8 of paper 002) and batch size (the paper's list), one global model, every
+   aggregation rule, 3 seeds: accuracy, the aggregated-noise level sum_i w_i^2 sigma_i^2 per
+   coordinate (lr = 1, the paper's Table 3 quantity) and how Robust-HDP's weights correlate
+   with the inverse-true-variance (oracle) weights;
+2. **attack**: Dist2 with the three noisiest silos claiming 10x their epsilon, WeiAvg against
+   Robust-HDP;
+3. **clustered**: R-DPCFL on the rotation topology {3, 6, 6, 6} (the quick example) with
+   heterogeneous budgets (5 x Dist2, the paper's batch sizes), per-cluster uniform against
+   per-cluster Robust-HDP weights, and whether the clustering still finds the structure.
+
+  nice python bench/robust_hdp.py [--parts rules,attack,clustered] [--seeds 0,1,2] [--no-append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import REPO, publish  # noqa: E402
+from dpcfl_flwr.paper_budgets import DISTRIBUTIONS  # noqa: E402
+
+OUT = REPO / "results" / "robust-hdp"
+RULES = ("samples", "weiavg", "pfa", "min-eps", "robust-hdp", "oracle-variance")
+DISTS = {"dist2": 0.005, "dist8": 0.002}  # preset -> learning rate (the paper's Table 9 scale)
+ATTACK_RULES = ("weiavg", "robust-hdp")
+CLUSTERED_RULES = ("uniform", "robust-hdp")
+LIARS = 3
+
+
+def compare(config: Path, method: str, rules: tuple[str, ...], seeds: str, out: Path,
+            settings: dict[str, Any]) -> None:
+    """One ``dpcfl compare`` grid (finished cells are kept); stops the study if it fails."""
+    command = [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--config", str(config),
+               "--methods", method, "--aggregations", ",".join(rules), "--epsilons", "1",
+               "--seeds", seeds, "--out", str(out)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    print("$", " ".join(command[1:]), flush=True)
+    if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
+        raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
+
+
+def runs(out: Path, method: str, rule: str) -> list[dict[str, Any]]:
+    """The finished results of one grid row, one per seed."""
+    found = []
+    for path in sorted((out / f"{method}-{rule}").glob("eps*/seed*/results.json")):
+        results = json.loads(path.read_text())
+        if results.get("complete"):
+            found.append(results)
+    return found
+
+
+def true_variances(results: dict[str, Any], clip: float) -> dict[str, float]:
+    """Per silo, the per-coordinate variance of one round's DP noise at lr = 1 (paper 002
+    Eq. 7): K_i (z_i C / b_i)^2 with K_i = ceil(N_i / b_i), from what the silos reported."""
+    out = {}
+    for client in results["clients"]:
+        z, b, n = client["noise_multiplier"], client["batch_size"], client["num_train"]
+        if z and b:
+            out[str(client["partition"])] = math.ceil(n / b) * (z * clip / b) ** 2
+    return out
+
+
+def round_figures(results: dict[str, Any]) -> tuple[float, float, float]:
+    """Mean over rounds 2..T and clusters of: the noise level, the noise level relative to
+    the oracle's, and the Pearson correlation of the weights with the oracle's."""
+    variances = true_variances(results, float(results["config"]["clip-norm"]))
+    levels, relative, correlation = [], [], []
+    for row in results["rounds"][1:]:
+        for block in (row.get("aggregation") or {}).values():
+            if block.get("noise_level") is None:
+                continue
+            levels.append(block["noise_level"])
+            if block.get("oracle_noise_level"):
+                relative.append(block["noise_level"] / block["oracle_noise_level"])
+            partitions = sorted(block["weights"])
+            if len(partitions) > 2 and all(p in variances for p in partitions):
+                weights = np.array([block["weights"][p] for p in partitions])
+                inverse = 1.0 / np.array([variances[p] for p in partitions])
+                if np.std(weights) > 0:
+                    correlation.append(float(np.corrcoef(weights, inverse)[0, 1]))
+    mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
+    return mean(levels), mean(relative), mean(correlation)
+
+
+def pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    return f"{scale * np.mean(values):.{digits}f} ± {scale * np.std(values):.{digits}f}"
+
+
+def sci(values: list[float]) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    return f"{np.mean(values):.3g}" if values else "-"
+
+
+def accuracy(results: list[dict[str, Any]], key: str = "mean_accuracy") -> list[float]:
+    return [r["summary"][key] for r in results if r["summary"].get(key) is not None]
+
+
+def rules_part(seeds: str) -> str:
+    config = REPO / "examples" / "robust-hdp-cpu.toml"
+    for dist, lr in DISTS.items():
+        compare(config, "global", RULES, seeds, OUT / dist,
+                {"silo-epsilons": dist, "learning-rate": lr})
+    header = "| rule | " + " | ".join(DISTS) + " |\n|---|" + "---|" * len(DISTS)
+    acc, noise, rel, corr = [], [], [], []
+    for rule in RULES:
+        cells = {dist: runs(OUT / dist, "global", rule) for dist in DISTS}
+        figures = {d: [round_figures(r) for r in cells[d]] for d in DISTS}
+        acc.append(f"| {rule} | " + " | ".join(pm(accuracy(cells[d])) for d in DISTS) + " |")
+        noise.append(f"| {rule} | " + " | ".join(sci([f[0] for f in figures[d]])
+                                                 for d in DISTS) + " |")
+        rel.append(f"| {rule} | " + " | ".join(pm([f[1] for f in figures[d]], 1.0, 2)
+                                               for d in DISTS) + " |")
+        corr.append(f"| {rule} | " + " | ".join(pm([f[2] for f in figures[d]], 1.0, 3)
+                                                for d in DISTS) + " |")
+    return (f"**Mean test accuracy (%)**, mean ± std over seeds {seeds}\n\n{header}\n"
+            + "\n".join(acc) + "\n\n**Aggregated DP-noise level** sum_i w_i^2 sigma_i^2 per "
+            "coordinate at lr = 1 (paper 002's Table 3 quantity), mean over rounds 2..T\n\n"
+            f"{header}\n" + "\n".join(noise) + "\n\n**Noise level relative to the oracle's** "
+            "(1 = inverse-true-variance weights)\n\n" f"{header}\n" + "\n".join(rel)
+            + "\n\n**Correlation of the weights with the oracle's** (Pearson, per round)\n\n"
+            f"{header}\n" + "\n".join(corr) + "\n")
+
+
+def noisiest(count: int) -> list[int]:
+    """The ``count`` silos with the largest true noise in the honest Dist2 runs."""
+    honest = runs(OUT / "dist2", "global", "samples")
+    if not honest:
+        raise SystemExit("the attack needs the rules part's Dist2 runs first")
+    variances = true_variances(honest[0], float(honest[0]["config"]["clip-norm"]))
+    return sorted(int(p) for p in sorted(variances, key=variances.get)[-count:])
+
+
+def attack_part(seeds: str) -> str:
+    liars = noisiest(LIARS)
+    config = REPO / "examples" / "robust-hdp-cpu.toml"
+    out = OUT / "attack-dist2"
+    compare(config, "global", ATTACK_RULES, seeds, out,
+            {"silo-epsilons": "dist2", "learning-rate": DISTS["dist2"],
+             "lying-silos": ",".join(map(str, liars)), "lie-factor": 10})
+    lines = ["| rule | honest accuracy (%) | attacked accuracy (%) | honest noise level | "
+             "attacked noise level |", "|---|---|---|---|---|"]
+    for rule in ATTACK_RULES:
+        honest, attacked = runs(OUT / "dist2", "global", rule), runs(out, "global", rule)
+        lines.append(f"| {rule} | {pm(accuracy(honest))} | {pm(accuracy(attacked))} | "
+                     f"{sci([round_figures(r)[0] for r in honest])} | "
+                     f"{sci([round_figures(r)[0] for r in attacked])} |")
+    return (f"Silos {liars} (the three noisiest under Dist2) claim 10x their epsilon; their "
+            "noise stays calibrated for the real one.\n\n" + "\n".join(lines) + "\n")
+
+
+def clustered_part(seeds: str) -> str:
+    eps = ",".join(f"{5 * DISTRIBUTIONS['dist2'][i % 20]:g}" for i in range(21))
+    out = OUT / "clustered"
+    compare(REPO / "examples" / "quick.toml", "rdpcfl", CLUSTERED_RULES, seeds, out,
+            {"silo-epsilons": eps, "silo-batch-sizes": "paper", "rpca-min-silos": 3})
+    lines = ["| per-cluster rule | accuracy (%) | minority (%) | structure found | "
+             "noise level |", "|---|---|---|---|---|"]
+    for rule in CLUSTERED_RULES:
+        results = runs(out, "rdpcfl", rule)
+        found = sum(bool(r["clustering"].get("found_structure")) for r in results)
+        lines.append(f"| {rule} | {pm(accuracy(results))} | "
+                     f"{pm(accuracy(results, 'minority_accuracy'))} | {found}/{len(results)} | "
+                     f"{sci([round_figures(r)[0] for r in results])} |")
+    return ("R-DPCFL, the quick example's rotation topology {3, 6, 6, 6}, silo i's epsilon "
+            "5 x Dist2[i mod 20] (1.0 .. 27), the paper's batch sizes, RPCA from 3 silos per "
+            "cluster.\n\n" + "\n".join(lines) + "\n")
+
+
+PARTS = {
+    "rules": ("Robust-HDP: aggregation rules with heterogeneous budgets (20 i.i.d. silos, "
+              "Fashion-MNIST)", rules_part),
+    "attack": ("Robust-HDP: the falsified-budget attack", attack_part),
+    "clustered": ("Robust-HDP inside R-DPCFL's clusters (heterogeneous budgets)",
+                  clustered_part),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args()
+    for name in args.parts.split(","):
+        title, part = PARTS[name]
+        publish(title, part(args.seeds), not args.no_append, bench="robust_hdp")
+
+
+if __name__ == "__main__":
+    main()
