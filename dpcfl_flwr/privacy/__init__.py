@@ -1,8 +1,22 @@
-"""Privacy accounting: SGM RDP, calibration, budget split, exponential mechanism, ledger."""
+"""Privacy accounting: SGM RDP, calibration, budget split, exponential mechanism, ledger;
+the Euclidean Laplace mechanism (d-privacy) on released models."""
 
 from .budget import BudgetMode, BudgetSplit, NoisePlan, plan_noise, split_budget
 from .calibration import calibrate_noise_multiplier, schedule_epsilon
-from .ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection, ledger_lock
+from .dprivacy import (
+    Sanitized,
+    euclidean_laplace,
+    euclidean_laplace_log_density,
+    sanitize_update,
+)
+from .ledger import (
+    DPrivacyRelease,
+    GaussianSteps,
+    PrivacyBudget,
+    PrivacyLedger,
+    Selection,
+    ledger_lock,
+)
 from .metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .schedule import (
@@ -22,10 +36,11 @@ from .selection import (
 )
 
 __all__ = [
-    "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "GaussianPhase",
-    "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger", "Schedule",
-    "Selection",
-    "accuracy_sensitivity", "calibrate_noise_multiplier", "ledger_lock",
+    "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "DPrivacyRelease",
+    "GaussianPhase", "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger",
+    "Sanitized", "Schedule", "Selection",
+    "accuracy_sensitivity", "calibrate_noise_multiplier", "euclidean_laplace",
+    "euclidean_laplace_log_density", "ledger_lock", "sanitize_update",
     "metric_release_cost", "noisy_evaluation", "plan_noise", "rdp_to_dp",
     "round_phase", "schedule_epsilon", "select_cluster", "selection_probabilities",
     "selection_rdp", "sgm_rdp", "single_stage_schedule", "split_budget", "steps_per_round",

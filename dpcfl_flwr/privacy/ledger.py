@@ -4,6 +4,11 @@ Modelled on Opacus' accountants (a plain history list, saved and restored), but 
 records exponential-mechanism selections and lives in a JSON file the silo owns, written
 atomically, so that neither a crash nor a restart can reset the budget (ARCHITECTURE: the
 server is not trusted with privacy).
+
+Releases through the Euclidean Laplace mechanism (d-privacy, paper 004) are kept in the same
+history but in their own units, leakage per unit of distance: they compose by addition
+(paper 004 Thm 3.1, :meth:`PrivacyLedger.dprivacy_leakage`) and never enter the (eps, delta)
+figures, which they have no conversion into (docs/dprivacy.md#the-ledger).
 """
 
 from __future__ import annotations
@@ -62,7 +67,28 @@ class Selection:
         return selection_rdp(self.epsilon, orders) * self.count
 
 
-Entry = GaussianSteps | Selection
+@dataclass(frozen=True)
+class DPrivacyRelease:
+    """One model released through the Euclidean Laplace mechanism (paper 004 Alg. 2).
+
+    ``epsilon`` is per unit of Euclidean distance in parameter space (``inf`` when nothing
+    was added); ``leakage`` is ``epsilon * ||delta||`` = n / v, the indistinguishability of
+    points within the update's norm. Not an (eps, delta)-DP cost: see the module docstring.
+    """
+
+    epsilon: float
+    leakage: float
+    round: int | None = None
+    kind: Literal["dprivacy"] = "dprivacy"
+
+    def __post_init__(self) -> None:
+        if not self.epsilon > 0 or not (0 <= self.leakage < math.inf):
+            raise ValueError(f"invalid d-privacy entry {self}: need epsilon > 0 (inf allowed) "
+                             "and a finite leakage >= 0")
+
+
+Entry = GaussianSteps | Selection | DPrivacyRelease
+DPEntry = GaussianSteps | Selection
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,11 @@ class PrivacyBudget:
             raise ValueError(f"budget needs epsilon > 0 and 0 < delta < 1, got {self}")
 
 
+def _dp_entries(entries: Iterable[Entry]) -> list[DPEntry]:
+    """The (eps, delta)-DP mechanisms among ``entries``: d-privacy releases left out."""
+    return [e for e in entries if not isinstance(e, DPrivacyRelease)]
+
+
 def _entry_from_dict(raw: dict[str, Any]) -> Entry:
     kind = raw.get("kind")
     fields = {k: v for k, v in raw.items() if k != "kind"}
@@ -85,6 +116,8 @@ def _entry_from_dict(raw: dict[str, Any]) -> Entry:
         return GaussianSteps(**fields)
     if kind == "selection":
         return Selection(**fields)
+    if kind == "dprivacy":
+        return DPrivacyRelease(**fields)
     raise ValueError(f"unknown ledger entry kind {kind!r}")
 
 
@@ -108,7 +141,7 @@ class PrivacyLedger:
         # Group identical mechanisms so that each distinct (z, q) curve is computed once.
         steps: dict[tuple[float, float], int] = {}
         total = np.zeros(len(self.orders))
-        for entry in [*self.entries, *extra]:
+        for entry in _dp_entries([*self.entries, *extra]):
             if isinstance(entry, GaussianSteps):
                 key = (entry.noise_multiplier, entry.sample_rate)
                 steps[key] = steps.get(key, 0) + entry.steps
@@ -120,9 +153,10 @@ class PrivacyLedger:
 
     def epsilon(self, delta: float, conversion: Conversion = "classic",
                 extra: Iterable[Entry] = ()) -> float:
-        """eps at ``delta`` of everything recorded (0 for an empty ledger)."""
+        """eps at ``delta`` of every (eps, delta)-DP mechanism recorded (0 when there is none;
+        d-privacy releases do not count)."""
         extra = list(extra)
-        if not self.entries and not extra:
+        if not _dp_entries([*self.entries, *extra]):
             return 0.0
         return rdp_to_dp(self.rdp(extra), delta, conversion, self.orders)[0]
 
@@ -132,6 +166,17 @@ class PrivacyLedger:
     def would_exceed(self, planned: Iterable[Entry], budget: PrivacyBudget) -> bool:
         """Would running ``planned`` on top of the history spend more than ``budget``?"""
         return self.epsilon(budget.delta, budget.conversion, planned) > budget.epsilon
+
+    def dprivacy_leakage(self, planned: Iterable[Entry] = ()) -> float:
+        """Total d-privacy leakage of the history (plus ``planned``): the leakages add up
+        (paper 004 Thm 3.1); every other kind of entry is ignored."""
+        return float(sum(e.leakage for e in [*self.entries, *planned]
+                         if isinstance(e, DPrivacyRelease)))
+
+    def would_exceed_leakage(self, planned: Iterable[Entry], threshold: float) -> bool:
+        """Would releasing ``planned`` take the total d-privacy leakage past ``threshold``
+        (the silo's own limit, paper 004 §4.1: a client may skip a round for it)?"""
+        return self.dprivacy_leakage(planned) > threshold
 
     def last_round(self) -> int:
         rounds = [e.round for e in self.entries if e.round is not None]
