@@ -46,6 +46,7 @@ from .protocol import (
 )
 from .requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo import BudgetExceeded, Schedule, Silo
+from .silo_dprivacy import check_privatiser, released_round
 from .silo_model import evaluated_metadata, keep_evaluated_model
 from .training import DPSGDConfig
 
@@ -190,6 +191,11 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
                                             dict[str, float]]:
     """Plan, check, (select and) train one round; returns the update, the weights it started
     from and the reply's numbers. Runs under the ledger's lock."""
+    check_privatiser(silo, request)
+    if request.privatiser == "dprivacy":
+        candidates = (_candidates(records, silo) if request.cluster == SELECT
+                      else [_received_or_own(records, context, silo)])
+        return released_round(silo, request, candidates, request.cluster)
     proposed = Schedule.from_request(request)
     schedule = silo.own_schedule(proposed)
     batch = silo.own_batch(request.batch, proposed)

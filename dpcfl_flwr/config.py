@@ -235,6 +235,12 @@ class SiloConfig(ConfigModel):
     # attack experiments only: the budget the silo *tells* the server; it still calibrates its
     # noise for, and spends within, its real ``epsilon``
     reported_epsilon: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # how the silo privatises what it releases (docs/dprivacy.md): DP-SGD, or d-privacy's
+    # sanitised model with its own noise multiplier v and leakage budget (sum of n/v; 0: no
+    # limit). A run asking for another privatiser is refused. Unset: DP-SGD (deployment).
+    privatiser: Literal["dpsgd", "dprivacy"] | None = None
+    dprivacy_noise: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    dprivacy_leakage_budget: float | None = Field(None, ge=0.0, allow_inf_nan=False)
 
     @field_validator("device")
     @classmethod
@@ -279,8 +285,18 @@ class SiloConfig(ConfigModel):
             source["noise_seed"] = 1000 * experiment.noise_seed + self.partition_id
         if trust_run_config:
             source.update(experiment.silo_overrides(self.partition_id))
-        return self.model_copy(update={key: value for key, value in source.items()
-                                       if self._unset(key)})
+            source.update(registry.method_class(experiment.method).silo_defaults(
+                experiment.params))
+        source.setdefault("privatiser", "dpsgd")
+        resolved = self.model_copy(update={key: value for key, value in source.items()
+                                           if self._unset(key)})
+        if resolved.privatiser == "dprivacy":
+            missing = [kebab(key) for key in ("dprivacy_noise", "dprivacy_leakage_budget")
+                       if getattr(resolved, key) is None]
+            if missing:
+                raise ConfigError(f"node config: privatiser = dprivacy needs "
+                                  f"{' and '.join(missing)} in the silo's own node config")
+        return resolved
 
     def _unset(self, key: str) -> bool:
         """None, an empty path, or (threads) 0: the markers of a key the silo left unset; an

@@ -22,8 +22,9 @@ from pydantic import BaseModel
 
 class MethodClass(Protocol):
     """What the registry and its readers use of a method's class
-    (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, three flags, and
-    the constructor ``(experiment, params, state)``."""
+    (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, its flags and
+    privatiser, the simulation defaults it gives silos (``silo_defaults``) and the
+    constructor ``(experiment, params, state)``."""
 
     name: str
     title: str
@@ -31,8 +32,11 @@ class MethodClass(Protocol):
     personal: bool
     discovers_clusters: bool
     weighs_updates: bool
+    privatiser: str
 
     def __call__(self, experiment: Any, params: Any, state: Any) -> Any: ...
+
+    def silo_defaults(self, params: Any) -> dict[str, Any]: ...
 
 
 T = TypeVar("T", bound=type)

@@ -169,7 +169,7 @@ class Silo:
         self._state_ledger = self.ledger.to_json()
         return self._state_ledger
 
-    def _charge_seed(self) -> int | None:
+    def charge_seed(self) -> int | None:
         """Tests only (``noise-seed``): a seed that differs for every charge the ledger has
         recorded, so a repeated round never reuses a noise draw; None: OS entropy."""
         if self.silo.noise_seed < 0:
@@ -281,7 +281,7 @@ class Silo:
             100.0 * evaluate(self.new_model(s), self.data.x_train, self.data.y_train)[1]
             for s in candidates
         ]
-        seed = self._charge_seed()
+        seed = self.charge_seed()
         rng = None if seed is None else np.random.default_rng(seed)
         choice = select_cluster(utilities, plan.epsilon_select,
                                 accuracy_sensitivity(self.data.num_train), rng)
@@ -303,7 +303,7 @@ class Silo:
         the numbers the silo reports (validation figures only with exact metrics)."""
         model = self.new_model(state)
         result = train_dp(model, self.data.x_train, self.data.y_train, config,
-                          round_number=round_number, seed=self._charge_seed(), prox=prox)
+                          round_number=round_number, seed=self.charge_seed(), prox=prox)
         self.ledger.record(result.entries)
         metrics: dict[str, float] = {"num-examples": self.data.num_train}
         if not self.private_metrics:
@@ -334,7 +334,7 @@ class Silo:
             loss_sum, correct = evaluation_sums(model, x, y, LOSS_BOUND)
             exact = {"test-loss": loss_sum / count, "test-accuracy": correct / count}
             cost = self.evaluation_cost(round_number)
-            generator = secure_generator(self._charge_seed())
+            generator = secure_generator(self.charge_seed())
             self.ledger.record(cost)
             loss, accuracy = noisy_evaluation(correct, loss_sum, count,
                                               cost[0].noise_multiplier, generator)

@@ -217,6 +217,29 @@ def train_dp(
     return TrainResult(update, [cost], n, steps, sampled)
 
 
+def train_sgd(model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor,
+              learning_rate: float, batch_size: int, epochs: int = 1,
+              seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Plain (not private) local SGD on ``model`` in place: ``epochs`` passes over the records
+    in shuffled batches of ``batch_size``; returns the update. What leaves the silo must then
+    be privatised otherwise (d-privacy's sanitiser, docs/dprivacy.md)."""
+    n = int(x_train.shape[0])
+    if n == 0 or y_train.shape[0] != n or batch_size < 1 or learning_rate <= 0:
+        raise ValueError("need non-empty data, a positive batch size and learning rate")
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimiser = torch.optim.SGD(model.parameters(), lr=learning_rate)
+    shuffler = secure_generator(seed)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=shuffler)
+        for first in range(0, n, batch_size):
+            rows = order[first:first + batch_size]
+            optimiser.zero_grad()
+            nn.functional.cross_entropy(model(x_train[rows]), y_train[rows]).backward()
+            optimiser.step()
+    return {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
+
+
 @torch.inference_mode()
 def evaluation_sums(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_bound: float = math.inf,

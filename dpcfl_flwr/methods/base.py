@@ -81,6 +81,8 @@ class SiloInfo:
     batch_size: int | None = None
     #: its weight in its cluster's last aggregation (docs/aggregation.md)
     weight: float | None = None
+    #: d-privacy silos: the leakage (sum of n/v) its ledger holds, as it reported it
+    dprivacy_leakage: float | None = None
     #: Epsilon its ledger held when it joined this run (earlier runs' spend): the budget this
     #: run can use is what is left, so its noise is larger than a fresh silo's.
     epsilon_spent_before: float = 0.0
@@ -138,6 +140,10 @@ class Method(ABC):
     #: Its cluster models move by :meth:`absorb`'s weighted means, so the run config's
     #: ``aggregation`` rule applies (False: the method combines updates its own way).
     weighs_updates: ClassVar[bool] = True
+    #: How its silos privatise what they release: DP-SGD ((epsilon, delta)-DP per record), or
+    #: d-privacy's sanitised models (methods/dprivacy.py). A silo refuses a run whose
+    #: privatiser is not its own (docs/threat-model.md).
+    privatiser: ClassVar[str] = "dpsgd"
 
     def __init__(self, experiment: ExperimentConfig, params: BaseModel,
                  state: ServerState) -> None:
@@ -147,6 +153,12 @@ class Method(ABC):
         self.params = params
         self.state = state
         state.reset_models(self.initial_clusters())
+
+    @classmethod
+    def silo_defaults(cls, params: BaseModel) -> dict[str, Any]:
+        """Simulation only: the node-config settings (SiloConfig fields) a silo takes from
+        this method's table when its own node config leaves them unset."""
+        return {}
 
     def initial_clusters(self) -> int:
         """M at the start of the run, each model theta_init: the table's ``n-clusters`` when

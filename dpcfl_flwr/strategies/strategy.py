@@ -265,6 +265,7 @@ class ClusteredStrategy(Strategy):
             silo.noise_multiplier = number(reply.metrics, "noise-multiplier")
             batch = known_number(reply.metrics, "batch-size")
             silo.batch_size = None if batch is None else int(batch)
+            silo.dprivacy_leakage = known_number(reply.metrics, "dprivacy-leakage")
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
