@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +18,7 @@ from typer.core import TyperCommand
 from .data import DataError
 from .privacy import plan_noise, two_stage_schedule
 from .privacy.schedule import FULL_BATCH
+from .privacy_report import compare_accountants, plan_dict, print_comparison, print_noise_table
 
 # Plain help (click's layout): Typer's rich panels cut option names (`--root-certifica…`) to
 # fit an 80-column terminal and read `[method.<name>]` in a help text as markup.
@@ -40,6 +40,11 @@ class ConversionChoice(StrEnum):
 class BudgetModeChoice(StrEnum):
     SPLIT = "split"
     JOINT = "joint"
+
+
+class AccountantChoice(StrEnum):
+    RDP = "rdp"
+    PLD = "pld"
 
 
 class PlainHelpCommand(TyperCommand):
@@ -124,45 +129,38 @@ def privacy_noise(
     paper_steps: bool = typer.Option(
         False, "--paper-steps", help="Count N/b steps per epoch (the authors' planning formula) "
         "instead of the ceil(N/b) a client executes."),
+    accountant: AccountantChoice = typer.Option(
+        AccountantChoice.RDP, "--accountant", help="rdp; pld: RDP's and PLD's plans side by "
+        "side (docs/privacy.md#pld-accounting)."),
+    at_z: float = typer.Option(None, "--at-z", min=0.0, help="With --accountant pld: the z to "
+                               "show both epsilons at (default: RDP's z)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Calibrate the noise multiplier z for a client's whole DP-SGD schedule."""
     first = _parse_first_batch(first_batch)
+    shape = {"samples": samples, "batch": batch, "first_batch": first, "rounds": rounds,
+             "epochs": epochs}
     try:
         schedule = two_stage_schedule(samples, batch, epochs, rounds, first, exact=not paper_steps)
-        plan = plan_noise(schedule, epsilon, delta, select_rounds, select_ratio,
-                          conversion.value, budget_mode.value)
+        if accountant == AccountantChoice.PLD:
+            both = compare_accountants(schedule, epsilon, delta, select_rounds, select_ratio,
+                                       conversion.value, budget_mode.value, at_z)
+        else:
+            plan = plan_noise(schedule, epsilon, delta, select_rounds, select_ratio,
+                              conversion.value, budget_mode.value)
     except ValueError as exc:
         _fail(str(exc))
         return
-    result = {
-        **plan.to_dict(),
-        "noise_multiplier_2dp_up": math.ceil(plan.noise_multiplier * 100) / 100,
-        "samples": samples, "batch": batch, "first_batch": first, "rounds": rounds,
-        "epochs": epochs,
-    }
+    if accountant == AccountantChoice.PLD:
+        result = {**both, **shape}
+    else:
+        result = {**plan_dict(plan), **shape}
     if as_json:
         typer.echo(json.dumps(result, indent=2))
-        return
-    _print_noise_table(result, select_rounds > 0)
-
-
-def _print_noise_table(result: dict, with_selection: bool) -> None:
-    split = result["split"]
-    table = Table(title="DP-SGD noise calibration", show_header=False)
-    table.add_row("noise multiplier z", f"{result['noise_multiplier']:.4f}")
-    table.add_row("z rounded up (2 dp)", f"{result['noise_multiplier_2dp_up']:.2f}")
-    table.add_row("schedule", ", ".join(
-        f"{p['steps']:g} steps at q={p['sample_rate']:.4g}" for p in result["phases"]))
-    table.add_row("epsilon total / delta", f"{split['epsilon_total']:g} / {split['delta']:g}")
-    table.add_row("conversion", split["conversion"])
-    if with_selection:
-        table.add_row("budget mode", split["mode"])
-        table.add_row("eps_select (per selection)", f"{split['epsilon_select']:.4f}")
-        table.add_row("selections T_sel", str(split["select_rounds"]))
-        table.add_row("eps_clustering", f"{split['epsilon_clustering']:.4f}")
-        table.add_row("eps_train", f"{split['epsilon_train']:.4f}")
-    console.print(table)
+    elif accountant == AccountantChoice.PLD:
+        print_comparison(console, result, select_rounds > 0)
+    else:
+        print_noise_table(console, result, select_rounds > 0)
 
 
 @app.command("probe")

@@ -51,6 +51,9 @@ class ExperimentConfig(ConfigModel):
     delta: float = Field(1e-4, gt=0.0, lt=1.0)
     conversion: Literal["classic", "tight"] = "classic"
     budget_mode: Literal["split", "joint"] = "split"
+    # how spend is measured (docs/privacy.md#pld-accounting): proposed to every silo; a
+    # silo's node config decides for itself, and only in simulation does an unset one follow
+    accountant: Literal["rdp", "pld"] = "rdp"
     # simulation only (a deployed silo sets its own): "exact" metrics or "private" ones, noised
     # with this noise multiplier on a correct-prediction count and charged
     # (docs/privacy.md#private-evaluation-metrics)
@@ -241,6 +244,9 @@ class SiloConfig(ConfigModel):
     privatiser: Literal["dpsgd", "dprivacy"] | None = None
     dprivacy_noise: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     dprivacy_leakage_budget: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    # the silo's accountant (docs/privacy.md#pld-accounting); unset: "rdp" (deployment), the
+    # run config's (simulation)
+    accountant: Literal["rdp", "pld"] | None = None
 
     @field_validator("device")
     @classmethod
@@ -288,6 +294,7 @@ class SiloConfig(ConfigModel):
             source.update(registry.method_class(experiment.method).silo_defaults(
                 experiment.params))
         source.setdefault("privatiser", "dpsgd")
+        source.setdefault("accountant", experiment.accountant if trust_run_config else "rdp")
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
         if resolved.privatiser == "dprivacy":

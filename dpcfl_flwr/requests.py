@@ -65,6 +65,9 @@ class TrainRequest(_Request):
     evaluations: int = Field(0, ge=0, le=MAX_ROUNDS)
     # calibrate for this smaller epsilon if it is below the silo's budget (0: the budget)
     epsilon_target: float = Field(0.0, ge=0.0)
+    # the accountant the server proposes; the silo's own choice rules
+    # (config.SiloConfig.accountant)
+    accountant: Literal["rdp", "pld"] = "rdp"
     # how the run expects the silo to privatise; the silo refuses one that is not its own
     privatiser: Literal["dpsgd", "dprivacy"] = "dpsgd"
 

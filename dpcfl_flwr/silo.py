@@ -25,6 +25,7 @@ from .config import ExperimentConfig, SiloConfig
 from .data import ClientData, DataError, load_dataset, make_client_data
 from .models import build_model
 from .privacy import (
+    GaussianPhase,
     GaussianSteps,
     PrivacyBudget,
     PrivacyLedger,
@@ -32,6 +33,7 @@ from .privacy import (
     Selection,
     accuracy_sensitivity,
     calibrate_noise_multiplier,
+    calibrate_noise_multiplier_pld,
     ledger_lock,
     metric_release_cost,
     noisy_evaluation,
@@ -61,11 +63,13 @@ class BudgetExceeded(RuntimeError):
 
 @dataclass(frozen=True)
 class SiloPlan:
-    """The silo's commitment for one run: z and eps per selection."""
+    """The silo's commitment for one run: z and eps per selection, and the accountant
+    that calibrated z (plans stored before there was a choice: ``rdp``)."""
 
     noise_multiplier: float
     epsilon_select: float
     schedule_key: str
+    accountant: str = "rdp"
 
 
 @functools.lru_cache(maxsize=32)
@@ -110,7 +114,8 @@ class Silo:
         self.experiment, self.run_id = experiment, run_id
         configure_threads(self.silo.threads)
         assert self.silo.epsilon is not None and self.silo.delta is not None  # resolved
-        self.budget = PrivacyBudget(self.silo.epsilon, self.silo.delta, experiment.conversion)
+        self.budget = PrivacyBudget(self.silo.epsilon, self.silo.delta, experiment.conversion,
+                                    self.silo.accountant or "rdp")
         self.ledger_path = Path(self.silo.ledger_path)
         self._state_ledger = state_ledger
         self.ledger = self._load_ledger()
@@ -214,6 +219,8 @@ class Silo:
         # a server may ask for less than the budget (minimum-epsilon baseline), never more
         target = min(b.epsilon, s.epsilon_target) if s.epsilon_target > 0 else b.epsilon
         try:
+            if b.accountant == "pld":
+                return self._calibrate_pld(s, phases, reserved, target)
             if not self.ledger.entries:
                 # the run's private evaluations compose with the training (RDP)
                 plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
@@ -227,6 +234,23 @@ class Silo:
         except ValueError as exc:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key())
+
+    def _calibrate_pld(self, s: Schedule, phases: list[GaussianPhase],
+                       reserved: list[GaussianSteps], target: float) -> SiloPlan:
+        """:meth:`_calibrate` under the ``pld`` accountant: the history and the reserved
+        evaluations enter as mechanisms, not RDP curves (docs/privacy.md#pld-accounting)."""
+        b = self.budget
+        runs, selections = self.ledger.mechanisms(reserved)
+        if not self.ledger.entries:
+            plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
+                              s.conversion, s.budget_mode, accountant="pld", extra_gaussian=runs)
+            return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key(), "pld")
+        eps_select = s.select_ratio * target
+        if s.select_rounds and eps_select > 0:
+            selections.append((eps_select, s.select_rounds))
+        z = calibrate_noise_multiplier_pld(phases, target, b.delta, s.conversion, runs,
+                                           selections)
+        return SiloPlan(z, eps_select, s.key(), "pld")
 
     def _reserved_metrics(self, s: Schedule) -> list[GaussianSteps]:
         """The run's private evaluations, as one ledger entry (none with exact metrics)."""
@@ -254,7 +278,8 @@ class Silo:
     # --- rounds -----------------------------------------------------------------------------
     def check(self, planned: list[GaussianSteps | Selection], round_number: int) -> None:
         if self.ledger.would_exceed(planned, self.budget):
-            after = self.ledger.epsilon(self.budget.delta, self.budget.conversion, planned)
+            after = self.ledger.epsilon(self.budget.delta, self.budget.conversion, planned,
+                                        self.budget.accountant)
             raise BudgetExceeded(
                 f"silo {self.silo.partition_id} refuses round {round_number}: it would spend "
                 f"eps={after:.4f} > budget {self.budget.epsilon:g} (spent so far "

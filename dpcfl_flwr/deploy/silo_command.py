@@ -197,7 +197,8 @@ def _spent_so_far(node: SiloConfig) -> str:
         return f"unreadable: {exc}"
     if not ledger.entries:
         return "new: nothing spent yet"
-    spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta))
+    spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta,
+                                       accountant=node.accountant or "rdp"))
     return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
             f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 

@@ -1,5 +1,5 @@
-"""Privacy accounting: SGM RDP, calibration, budget split, exponential mechanism, ledger;
-the Euclidean Laplace mechanism (d-privacy) on released models."""
+"""Privacy accounting: SGM RDP, PLD (dp-accounting), calibration, budget split, exponential
+mechanism, ledger; the Euclidean Laplace mechanism (d-privacy) on released models."""
 
 from .budget import BudgetMode, BudgetSplit, NoisePlan, plan_noise, split_budget
 from .calibration import calibrate_noise_multiplier, schedule_epsilon
@@ -18,6 +18,13 @@ from .ledger import (
     ledger_lock,
 )
 from .metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
+from .pld import (
+    ACCOUNTANTS,
+    Accountant,
+    accounted_epsilon,
+    calibrate_noise_multiplier_pld,
+    pld_epsilon,
+)
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .schedule import (
     FULL_BATCH,
@@ -36,6 +43,8 @@ from .selection import (
 )
 
 __all__ = [
+    "ACCOUNTANTS", "Accountant", "accounted_epsilon", "calibrate_noise_multiplier_pld",
+    "pld_epsilon",
     "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "DPrivacyRelease",
     "GaussianPhase", "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger",
     "Sanitized", "Schedule", "Selection",

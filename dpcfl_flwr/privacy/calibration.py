@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from scipy import optimize
@@ -41,13 +41,25 @@ def calibrate_noise_multiplier(
     Raises ValueError when even z = ``upper`` cannot meet the target (budget too small or
     the extra RDP, e.g. the selections, already exceeds it).
     """
-    if target_epsilon <= 0:
-        raise ValueError(f"target epsilon must be positive, got {target_epsilon}")
-    target = target_epsilon * (1 - _SAFETY)
-
     def eps(z: float) -> float:
         return schedule_epsilon(phases, z, delta, conversion, extra_rdp, orders)
 
+    return solve_noise_multiplier(eps, target_epsilon, delta, lower, upper, relative_tolerance)
+
+
+def solve_noise_multiplier(
+    eps: Callable[[float], float], target_epsilon: float, delta: float,
+    lower: float = 1e-3, upper: float = 1e3, relative_tolerance: float = 1e-7,
+    growth: float = 1.0,
+) -> float:
+    """The smallest z in [lower, upper] with eps(z) <= target_epsilon, for any accountant's
+    eps(z) (continuous and decreasing in z). After Brent's method, z is raised by
+    ``relative_tolerance`` until the bound holds, the step multiplied by ``growth`` each
+    time (1: constant; a discretised accountant, whose eps(z) moves in small jumps, needs
+    it to grow)."""
+    if target_epsilon <= 0:
+        raise ValueError(f"target epsilon must be positive, got {target_epsilon}")
+    target = target_epsilon * (1 - _SAFETY)
     if eps(upper) > target:
         raise ValueError(
             f"no noise multiplier up to {upper} meets epsilon={target_epsilon} at delta={delta}: "
@@ -62,6 +74,8 @@ def calibrate_noise_multiplier(
         xtol=relative_tolerance / 10,
     )
     z = math.exp(log_z)
+    step = relative_tolerance
     while eps(z) > target:
-        z *= 1 + relative_tolerance
+        z *= 1 + step
+        step *= growth
     return z

@@ -1,4 +1,5 @@
-"""A silo's privacy ledger: every mechanism it ran, composed in RDP, converted once.
+"""A silo's privacy ledger: every mechanism it ran, composed in RDP (or, with the ``pld``
+accountant, by privacy loss distributions, privacy/pld.py), converted once.
 
 Modelled on Opacus' accountants (a plain history list, saved and restored), but it also
 records exponential-mechanism selections and lives in a JSON file the silo owns, written
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..files import write_atomically
+from .pld import Accountant, GaussianRun, SelectionRun, pld_epsilon
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .selection import selection_rdp
 
@@ -93,15 +95,19 @@ DPEntry = GaussianSteps | Selection
 
 @dataclass(frozen=True)
 class PrivacyBudget:
-    """The (eps, delta) a silo has agreed to spend in total, and how RDP is converted."""
+    """The (eps, delta) a silo has agreed to spend in total, how RDP is converted, and the
+    accountant that measures every spend against it (docs/privacy.md#pld-accounting)."""
 
     epsilon: float
     delta: float
     conversion: Conversion = "classic"
+    accountant: Accountant = "rdp"
 
     def __post_init__(self) -> None:
         if self.epsilon <= 0 or not 0 < self.delta < 1:
             raise ValueError(f"budget needs epsilon > 0 and 0 < delta < 1, got {self}")
+        if self.accountant not in ("rdp", "pld"):
+            raise ValueError(f"accountant must be 'rdp' or 'pld', got {self.accountant!r}")
 
 
 def _dp_entries(entries: Iterable[Entry]) -> list[DPEntry]:
@@ -151,21 +157,35 @@ class PrivacyLedger:
             total = total + sgm_rdp(q, z, n, self.orders)
         return total
 
+    def mechanisms(self, extra: Iterable[Entry] = ()) -> tuple[list[GaussianRun],
+                                                              list[SelectionRun]]:
+        """The history (plus ``extra``) as the PLD accountant takes it: Gaussian runs
+        (z, q, steps) and selections (epsilon, count); d-privacy releases left out."""
+        entries = _dp_entries([*self.entries, *extra])
+        return ([(e.noise_multiplier, e.sample_rate, e.steps) for e in entries
+                 if isinstance(e, GaussianSteps)],
+                [(e.epsilon, e.count) for e in entries if isinstance(e, Selection)])
+
     def epsilon(self, delta: float, conversion: Conversion = "classic",
-                extra: Iterable[Entry] = ()) -> float:
+                extra: Iterable[Entry] = (), accountant: Accountant = "rdp") -> float:
         """eps at ``delta`` of every (eps, delta)-DP mechanism recorded (0 when there is none;
-        d-privacy releases do not count)."""
+        d-privacy releases do not count), the whole history under one ``accountant``: with
+        ``pld``, the smaller of its PLD figure and its RDP figure (privacy/pld.py)."""
         extra = list(extra)
         if not _dp_entries([*self.entries, *extra]):
             return 0.0
-        return rdp_to_dp(self.rdp(extra), delta, conversion, self.orders)[0]
+        rdp = rdp_to_dp(self.rdp(extra), delta, conversion, self.orders)[0]
+        if accountant == "rdp":
+            return rdp
+        return min(pld_epsilon(*self.mechanisms(extra), delta), rdp)
 
     def spent(self, budget: PrivacyBudget) -> float:
-        return self.epsilon(budget.delta, budget.conversion)
+        return self.epsilon(budget.delta, budget.conversion, accountant=budget.accountant)
 
     def would_exceed(self, planned: Iterable[Entry], budget: PrivacyBudget) -> bool:
         """Would running ``planned`` on top of the history spend more than ``budget``?"""
-        return self.epsilon(budget.delta, budget.conversion, planned) > budget.epsilon
+        return self.epsilon(budget.delta, budget.conversion, planned,
+                            budget.accountant) > budget.epsilon
 
     def dprivacy_leakage(self, planned: Iterable[Entry] = ()) -> float:
         """Total d-privacy leakage of the history (plus ``planned``): the leakages add up

@@ -116,6 +116,9 @@ class Schedule:
     #: baseline, docs/aggregation.md); 0: the silo's own budget. A silo takes it only when it
     #: is below its budget: a server can make a silo spend less, never more.
     epsilon_target: float = 0.0
+    #: the accountant the server proposes (docs/privacy.md#pld-accounting); a silo measures
+    #: its spend with its own (``accountant`` in its node config)
+    accountant: Literal["rdp", "pld"] = "rdp"
 
     def to_config(self) -> dict[str, Any]:
         config = {
@@ -127,6 +130,8 @@ class Schedule:
         }
         if self.epsilon_target > 0:  # absent otherwise: runs planned before it keep their key
             config["epsilon-target"] = self.epsilon_target
+        if self.accountant != "rdp":  # the same: rdp runs keep the key they were planned by
+            config["accountant"] = self.accountant
         return config
 
     @classmethod
@@ -135,7 +140,7 @@ class Schedule:
         return cls(request.rounds, request.local_epochs, request.batch_size,
                    "full" if first == "full" else int(first), request.select_rounds,
                    request.select_ratio, request.conversion, request.budget_mode,
-                   request.evaluations, request.epsilon_target)
+                   request.evaluations, request.epsilon_target, request.accountant)
 
     def key(self) -> str:
         return repr(sorted(self.to_config().items()))

@@ -207,7 +207,8 @@ class ClusteredStrategy(Strategy):
             "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
             "personal": int(method.personal), "run-key": self.run_key,
             **replace(method.schedule(), evaluations=self.evaluations(),
-                      epsilon_target=self.epsilon_target()).to_config(),
+                      epsilon_target=self.epsilon_target(),
+                      accountant=e.accountant).to_config(),
             **method.silo_settings(server_round, cluster),
         }
 
