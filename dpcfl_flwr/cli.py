@@ -15,6 +15,7 @@ from rich.progress import Progress
 from rich.table import Table
 from typer.core import TyperCommand
 
+from .attacks.command import attack_app
 from .data import DataError
 from .privacy import plan_noise, two_stage_schedule
 from .privacy.schedule import FULL_BATCH
@@ -382,6 +383,7 @@ def _register_deployment_commands() -> None:
 
 
 _register_deployment_commands()
+app.add_typer(attack_app, name="attack")  # dpcfl attack dlg (docs/attacks.md)
 _plain_help(app)
 
 
