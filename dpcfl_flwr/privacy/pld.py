@@ -197,4 +197,4 @@ def calibrate_noise_multiplier_pld(
         if eps(lower) > target_epsilon:
             break
     return solve_noise_multiplier(eps, target_epsilon, delta, lower, upper,
-                                  relative_tolerance=1e-6, growth=2.0)
+                                  relative_tolerance=1e-5, growth=2.0)
