@@ -1,15 +1,12 @@
-"""What one training round did (:class:`RoundReport`) and who hears of it
-(:class:`RunObserver`: the results writer, TensorBoard, a progress display)."""
+"""What one training round did (:class:`RoundReport`), for logs, progress and the results
+files."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .strategy import ClusteredStrategy
 
 
 @dataclass
@@ -33,11 +30,3 @@ class RoundReport:
     def cluster_sizes(self, n_clusters: int) -> list[int]:
         counts = np.bincount([c for c in self.trained.values() if c >= 0], minlength=n_clusters)
         return counts.tolist()
-
-
-class RunObserver(Protocol):
-    """Receives the run as it happens (the results writer, a progress display)."""
-
-    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
-
-    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -45,10 +45,18 @@ from ..protocol import (
 )
 from .checkpoint import Checkpoint
 from .replies import known_number, reply_numbers, train_reply
-from .round_report import RoundReport, RunObserver
+from .round_report import RoundReport
 from .silos import SiloRoster
 
 logger = logging.getLogger(__name__)
+
+
+class RunObserver(Protocol):
+    """Receives the run as it happens (the results writer, a progress display)."""
+
+    def silos_known(self, strategy: ClusteredStrategy) -> None: ...
+
+    def round_done(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
 
 
 @dataclass
