@@ -16,6 +16,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from .attacks.command import attack_app
+from .audit.command import audit
 from .data import DataError
 from .privacy import plan_noise, two_stage_schedule
 from .privacy.schedule import FULL_BATCH
@@ -384,6 +385,7 @@ def _register_deployment_commands() -> None:
 
 _register_deployment_commands()
 app.add_typer(attack_app, name="attack")  # dpcfl attack dlg (docs/attacks.md)
+app.command("audit")(audit)  # the one-run privacy audit (docs/privacy.md)
 _plain_help(app)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,20 +113,36 @@ def _clipped_sum(
 
 
 def _noisy_step(
-    params: list[nn.Parameter], clipped: list[torch.Tensor], config: DPSGDConfig,
+    params: list[nn.Parameter], clipped: list[torch.Tensor], config: DPSGDConfig, std: float,
     expected_batch: float, noise: torch.Generator, prox: ProxTerm | None,
 ) -> None:
-    """theta <- theta - lr * ((sum of clipped grads + N(0, (z c)^2 I)) / expected batch
-    + lambda (theta - anchor)); the proximal term is data-independent, so adding it after
-    privatisation is free (post-processing) and, unlike a loss term, is not lost in clipping."""
-    std = config.noise_multiplier * config.clip_norm
+    """theta <- theta - lr * ((sum of clipped grads + N(0, std^2 I)) / expected batch
+    + lambda (theta - anchor)), std = z c; the proximal term is data-independent, so adding it
+    after privatisation is free (post-processing) and, unlike a loss term, is not lost in
+    clipping."""
     with torch.no_grad():
         for index, (p, g) in enumerate(zip(params, clipped, strict=True)):
-            g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
+            if std > 0:
+                g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
             g.div_(expected_batch)
             if prox is not None:
                 g.add_(p - prox.anchor[index], alpha=prox.strength)
             p.add_(g, alpha=-config.learning_rate)
+
+
+@dataclass(frozen=True)
+class AuditHook:
+    """What the privacy audit (:mod:`dpcfl_flwr.audit`) adds to a round of DP-SGD.
+
+    ``canaries(rate)`` returns the summed clipped gradients of the audit's canary records that
+    Poisson sampling at ``rate`` puts into this step, added to the batch's before the noise;
+    ``noiseless`` leaves the noise out: the broken privatiser the audit must catch. Only the
+    audit builds one. Silos never pass it and DPSGDConfig still refuses z <= 0, so no run
+    config or train message can switch the noise off.
+    """
+
+    canaries: Callable[[float], list[torch.Tensor]]
+    noiseless: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,17 +180,26 @@ class DPSGDStepper:
     def __init__(
         self, model: nn.Module, config: DPSGDConfig, expected_batch: float, *,
         noise_seed: int | None = None, prox: ProxTerm | None = None,
+        audit: AuditHook | None = None,
     ) -> None:
         self.config, self.expected_batch, self.prox = config, expected_batch, prox
+        noiseless = audit is not None and audit.noiseless
+        self.noise_std = 0.0 if noiseless else config.noise_multiplier * config.clip_norm
         self.engine = make_engine(model, config.grad_sample_mode)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.chunk = chunk_size(model, config.physical_batch_size)
         self.noise = secure_generator(noise_seed)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One noisy SGD step on the logical batch (x, y)."""
+    def step(self, x: torch.Tensor, y: torch.Tensor,
+             extra: list[torch.Tensor] | None = None) -> None:
+        """One noisy SGD step on the logical batch (x, y), plus ``extra`` clipped gradients
+        (the audit's canaries) summed in before the noise."""
         clipped = _clipped_sum(self.engine, self.params, x, y, self.config.clip_norm, self.chunk)
-        _noisy_step(self.params, clipped, self.config, self.expected_batch, self.noise, self.prox)
+        if extra is not None:
+            for acc, part in zip(clipped, extra, strict=True):
+                acc.add_(part)
+        _noisy_step(self.params, clipped, self.config, self.noise_std, self.expected_batch,
+                    self.noise, self.prox)
 
     def close(self) -> None:
         self.engine.close()
@@ -182,13 +208,14 @@ class DPSGDStepper:
 def train_dp(
     model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig,
     *, round_number: int | None = None, seed: int | None = None,
-    prox: tuple[float, dict[str, torch.Tensor]] | None = None,
+    prox: tuple[float, dict[str, torch.Tensor]] | None = None, audit: AuditHook | None = None,
 ) -> TrainResult:
     """Run one round of local DP-SGD on ``model`` in place; return its update and cost.
 
     Rounds with an integer batch b run K * ceil(N/b) steps at Poisson rate b/N; the full-batch
     round runs K steps on all N records (rate 1). ``seed`` fixes sampling and noise (tests).
-    ``prox`` = (lambda, anchor weights) adds MR-MTL's proximal term to every step.
+    ``prox`` = (lambda, anchor weights) adds MR-MTL's proximal term to every step; ``audit``
+    is the privacy audit's hook (:class:`AuditHook`), never set in a silo.
     """
     n = int(x_train.shape[0])
     if n == 0 or y_train.shape[0] != n:
@@ -197,7 +224,7 @@ def train_dp(
     full, rate, steps = cost.sample_rate == 1.0, cost.sample_rate, cost.steps
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     prox_term = None if prox is None else ProxTerm.for_model(model, prox[0], prox[1])
-    stepper = DPSGDStepper(model, config, rate * n, prox=prox_term,
+    stepper = DPSGDStepper(model, config, rate * n, prox=prox_term, audit=audit,
                            noise_seed=None if seed is None else seed + 1)
     sampler = secure_generator(seed)
     model.train()
@@ -210,7 +237,7 @@ def train_dp(
                 mask = torch.rand(n, generator=sampler) < rate
                 xb, yb = x_train[mask], y_train[mask]
             sampled += int(xb.shape[0])
-            stepper.step(xb, yb)
+            stepper.step(xb, yb, None if audit is None else audit.canaries(rate))
     finally:
         stepper.close()
     update = {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
