@@ -1,8 +1,8 @@
 """Gradient canaries: records the auditor controls, seen by DP-SGD only through their gradients.
 
 A canary is a record whose clipped per-sample gradient is always C e_j, C the clipping norm and
-e_j a coordinate of the model's trainable parameters (a Dirac canary, Steinke, Nasr &
-Jagielski 2023, §6, white-box setting). It is the strongest record a DP-SGD step has to hide:
+e_j a coordinate of the model's trainable parameters (a Dirac canary, as in the white-box
+audits of Steinke, Nasr & Jagielski 2023). It is the strongest record a DP-SGD step has to hide:
 its gradient has the largest norm clipping lets through, it points the same way at every step,
 and no real record's gradient is aligned with it. The m canaries take distinct coordinates, so
 each is measured along its own axis.
