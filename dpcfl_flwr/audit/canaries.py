@@ -3,9 +3,9 @@
 A canary is a record whose clipped per-sample gradient is always C e_j, C the clipping norm and
 e_j a coordinate of the model's trainable parameters (a Dirac canary, as in the white-box
 audits of Steinke, Nasr & Jagielski 2023). It is the strongest record a DP-SGD step has to hide:
-its gradient has the largest norm clipping lets through, it points the same way at every step,
-and no real record's gradient is aligned with it. The m canaries take distinct coordinates, so
-each is measured along its own axis.
+its gradient has the largest norm clipping lets through and points the same way at every step,
+while real records' gradients, spread over all coordinates, move any one coordinate little.
+The m canaries take distinct coordinates, so each is measured along its own axis.
 
 Each canary is included in the silo's data with probability 1/2, independently; an included
 canary enters every step it is Poisson-sampled in, at the step's rate, as a real record would.
