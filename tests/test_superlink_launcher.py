@@ -48,9 +48,9 @@ from dpcfl_flwr.flower_compat.superlink import (
     hold_reply_pulls,
 )
 
-# seconds: "at once", well under the holds (1 s, 3 s) and Flower's 1 s back-off on a missing
-# object; a loaded 2-core CI machine once took 0.44 s
-PROMPT = 0.5
+# seconds: "at once", under the holds (1 s, 3 s) and Flower's 1 s back-off on a missing
+# object; a loaded 2-core CI machine once took 0.44 s, one running a benchmark beside 0.57 s
+PROMPT = 0.8
 
 
 class Call:
