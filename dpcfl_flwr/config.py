@@ -134,10 +134,11 @@ class ExperimentConfig(ConfigModel):
     @model_validator(mode="after")
     def _valid_silo_values(self) -> ExperimentConfig:
         """Every per-silo list readable, one value per silo of the topology."""
-        for partition in range(self.topology.num_clients):
-            if self.silo_overrides(partition).get("delta", 0.0) >= 1.0:
-                raise ValueError(f"silo-deltas = {self.silo_deltas!r}: every delta must be "
-                                 "below 1")
+        self.silo_overrides(0)  # reads every list (and the liars) once
+        deltas = per_silo_values("silo-deltas", self.silo_deltas, self.topology.num_clients,
+                                 float) or ()
+        if any(delta >= 1.0 for delta in deltas):
+            raise ValueError(f"silo-deltas = {self.silo_deltas!r}: every delta must be below 1")
         return self
 
     def silo_overrides(self, partition: int) -> dict[str, Any]:

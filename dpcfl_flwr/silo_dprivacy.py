@@ -93,12 +93,13 @@ def released_round(silo: Silo, request: TrainRequest,
     if len(candidates) > 1:
         cluster = best_fit(silo, candidates)
     start = candidates[0] if len(candidates) == 1 else candidates[cluster]
-    batch = silo.own_batch(request.batch, Schedule.from_request(request))
+    schedule = Schedule.from_request(request)
+    batch = silo.own_batch(request.batch, schedule)
     model = silo.new_model(start)
     seed = silo.charge_seed()
     train_sgd(model, silo.data.x_train, silo.data.y_train, request.learning_rate,
               silo.data.num_train if batch == "full" else batch,
-              Schedule.from_request(request).local_epochs, seed)
+              schedule.local_epochs, seed)
     trained, received = _flat(model.state_dict()), _flat(start)
     if math.isfinite(leakage):
         sanitized = sanitize_update(trained, received, float(silo.silo.dprivacy_noise or 0.0),
