@@ -296,9 +296,9 @@ def compare(
         plan_grid,
         run_grid,
         variants,
-        write_reports,
     )
-    from .compare import collect as collect_cells
+    from .compare_report import collect as collect_cells
+    from .compare_report import write_reports
     from .simulation import parse_override
 
     try:

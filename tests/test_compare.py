@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -12,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from dpcfl_flwr import compare
 from dpcfl_flwr.compare import (
     GridRun,
     apply_overrides,
+    changed_keys,
     load_grid_config,
     plan_grid,
     run_config,
+    run_grid,
 )
 from dpcfl_flwr.config import ConfigError
 
@@ -58,6 +62,29 @@ def test_set_overrides_win_over_the_file_and_its_method_tables(tmp_path):
         assert cell["learning-rate"] == 0.02 and cell["budget-mode"] == "joint"
     with pytest.raises(ConfigError, match="--set cannot change epsilon, seed"):
         apply_overrides(base, per_method, {"seed": 3, "epsilon": 1.0})
+
+
+def test_a_finished_cell_is_kept_only_while_its_config_is_unchanged(tmp_path, monkeypatch):
+    config = tmp_path / "grid.toml"
+    config.write_text(TINY)
+    base, per_method = load_grid_config(config)
+    run = plan_grid(["global"], [5], [0], tmp_path / "out")[0]
+    ran_with = run_config(run, base, per_method)
+    run.directory.mkdir(parents=True)  # a finished cell, as execute() leaves it
+    (run.directory.parent / "seed0.toml").write_text(compare._config_text(ran_with))
+    (run.directory / "results.json").write_text(json.dumps({"complete": True, "summary": {}}))
+    assert changed_keys(run, ran_with) == []
+    assert changed_keys(run, {**ran_with, "out-dir": "/elsewhere"}) == []  # moved: same run
+    edited, _ = apply_overrides(base, per_method, {"num-server-rounds": 3, "delta": 1e-6})
+    assert changed_keys(run, run_config(run, edited, per_method)) == ["delta",
+                                                                      "num-server-rounds"]
+    started, said = [], []
+    monkeypatch.setattr(compare, "execute", lambda cell, *_: started.append(cell))
+    run_grid([run], base, per_method, report=said.append)
+    assert not started and said == ["[1/1] global eps=5 seed=0: done earlier, kept"]
+    run_grid([run], edited, per_method, report=said.append)
+    assert started == [run]
+    assert "done earlier with other delta, num-server-rounds; running it again" in said[1]
 
 
 def test_bad_grid_configs_are_refused(tmp_path):

@@ -17,15 +17,12 @@ from dpcfl_flwr.cli import app
 from dpcfl_flwr.compare import (
     GridRun,
     apply_overrides,
-    collect,
-    mean_noise_level,
-    mean_oracle_ratio,
     plan_grid,
     run_config,
     run_grid,
     variants,
-    write_reports,
 )
+from dpcfl_flwr.compare_report import collect, mean_noise_level, mean_oracle_ratio, write_reports
 from dpcfl_flwr.config import ConfigError
 from dpcfl_flwr.progress import silo_table
 
