@@ -109,6 +109,15 @@ def sci(values: list[float]) -> str:
     return f"{np.mean(values):.3g}" if values else "-"
 
 
+def compute(results: list[dict[str, Any]]) -> str:
+    """The wall time of a part's runs (each its own ``dpcfl simulate``, 2 cores)."""
+    walls = [r["wall_seconds"] for r in results if r.get("wall_seconds")]
+    if not walls:
+        return ""
+    return (f"\n{len(walls)} runs, {np.median(walls):.0f} s median wall per run, "
+            f"{sum(walls) / 60:.0f} min in all.\n")
+
+
 def accuracy(results: list[dict[str, Any]], key: str = "mean_accuracy") -> list[float]:
     return [r["summary"][key] for r in results if r["summary"].get(key) is not None]
 
@@ -119,9 +128,10 @@ def rules_part(seeds: str) -> str:
         compare(config, "global", RULES, seeds, OUT / dist,
                 {"silo-epsilons": dist, "learning-rate": lr})
     header = "| rule | " + " | ".join(DISTS) + " |\n|---|" + "---|" * len(DISTS)
-    acc, noise, rel, corr = [], [], [], []
+    acc, noise, rel, corr, every = [], [], [], [], []
     for rule in RULES:
         cells = {dist: runs(OUT / dist, "global", rule) for dist in DISTS}
+        every += [r for d in DISTS for r in cells[d]]
         figures = {d: [round_figures(r) for r in cells[d]] for d in DISTS}
         acc.append(f"| {rule} | " + " | ".join(pm(accuracy(cells[d])) for d in DISTS) + " |")
         noise.append(f"| {rule} | " + " | ".join(sci([f[0] for f in figures[d]])
@@ -130,13 +140,18 @@ def rules_part(seeds: str) -> str:
                                                for d in DISTS) + " |")
         corr.append(f"| {rule} | " + " | ".join(pm([f[2] for f in figures[d]], 1.0, 3)
                                                 for d in DISTS) + " |")
-    return (f"**Mean test accuracy (%)**, mean ± std over seeds {seeds}\n\n{header}\n"
+    return ("20 i.i.d. silos, N_i = 1000, T = 10 rounds of one local epoch, each silo's epsilon "
+            "from the preset (paper 002 Table 7) and its batch size from the paper's list; one "
+            f"learning rate per preset ({', '.join(f'{d} {lr:g}' for d, lr in DISTS.items())}) "
+            "for every rule. How these compare with the paper's Table 13: docs/aggregation.md"
+            "#our-numbers-against-the-papers.\n\n"
+            f"**Mean test accuracy (%)**, mean ± std over seeds {seeds}\n\n{header}\n"
             + "\n".join(acc) + "\n\n**Aggregated DP-noise level** sum_i w_i^2 sigma_i^2 per "
             "coordinate at lr = 1 (paper 002's Table 3 quantity), mean over rounds 2..T\n\n"
             f"{header}\n" + "\n".join(noise) + "\n\n**Noise level relative to the oracle's** "
             "(1 = inverse-true-variance weights)\n\n" f"{header}\n" + "\n".join(rel)
             + "\n\n**Correlation of the weights with the oracle's** (Pearson, per round)\n\n"
-            f"{header}\n" + "\n".join(corr) + "\n")
+            f"{header}\n" + "\n".join(corr) + "\n" + compute(every))
 
 
 def noisiest(count: int) -> list[int]:
@@ -157,13 +172,16 @@ def attack_part(seeds: str) -> str:
              "lying-silos": ",".join(map(str, liars)), "lie-factor": 10})
     lines = ["| rule | honest accuracy (%) | attacked accuracy (%) | honest noise level | "
              "attacked noise level |", "|---|---|---|---|---|"]
+    every = []
     for rule in ATTACK_RULES:
         honest, attacked = runs(OUT / "dist2", "global", rule), runs(out, "global", rule)
+        every += attacked
         lines.append(f"| {rule} | {pm(accuracy(honest))} | {pm(accuracy(attacked))} | "
                      f"{sci([round_figures(r)[0] for r in honest])} | "
                      f"{sci([round_figures(r)[0] for r in attacked])} |")
     return (f"Silos {liars} (the three noisiest under Dist2) claim 10x their epsilon; their "
-            "noise stays calibrated for the real one.\n\n" + "\n".join(lines) + "\n")
+            "noise stays calibrated for the real one.\n\n" + "\n".join(lines) + "\n"
+            + compute(every))
 
 
 def clustered_part(seeds: str) -> str:
@@ -173,15 +191,17 @@ def clustered_part(seeds: str) -> str:
             {"silo-epsilons": eps, "silo-batch-sizes": "paper", "rpca-min-silos": 3})
     lines = ["| per-cluster rule | accuracy (%) | minority (%) | structure found | "
              "noise level |", "|---|---|---|---|---|"]
+    every = []
     for rule in CLUSTERED_RULES:
         results = runs(out, "rdpcfl", rule)
+        every += results
         found = sum(bool(r["clustering"].get("found_structure")) for r in results)
         lines.append(f"| {rule} | {pm(accuracy(results))} | "
                      f"{pm(accuracy(results, 'minority_accuracy'))} | {found}/{len(results)} | "
                      f"{sci([round_figures(r)[0] for r in results])} |")
     return ("R-DPCFL, the quick example's rotation topology {3, 6, 6, 6}, silo i's epsilon "
             "5 x Dist2[i mod 20] (1.0 .. 27), the paper's batch sizes, RPCA from 3 silos per "
-            "cluster.\n\n" + "\n".join(lines) + "\n")
+            "cluster.\n\n" + "\n".join(lines) + "\n" + compute(every))
 
 
 PARTS = {
