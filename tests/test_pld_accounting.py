@@ -23,6 +23,7 @@ from dpcfl_flwr.privacy import (
     single_stage_schedule,
     two_stage_schedule,
 )
+from dpcfl_flwr.privacy import pld as pld_module
 from dpcfl_flwr.privacy.calibration import schedule_epsilon
 from dpcfl_flwr.privacy.schedule import GaussianPhase, steps_per_round
 from dpcfl_flwr.silo import BudgetExceeded, Silo
@@ -127,6 +128,24 @@ def test_calibration_reaches_the_target_from_below(mode):
     z = plan.noise_multiplier
     assert spent(z) <= target < spent(z * (1 - 1e-3))
     assert z < rdp_plan.noise_multiplier
+
+
+def test_silos_of_one_process_share_their_calibration_and_their_round_checks():
+    """A simulation's silos run in a few processes with equal schedules: the second silo's
+    calibration and a ledger's per-round figure are cache hits, and the cached figure is the
+    one a fresh composition gives (the key is canonical, however the history is listed)."""
+    pld_module._epsilon.cache_clear()
+    first = plan_noise(SMALL, 2.0, DELTA, 2, 0.03, accountant="pld").noise_multiplier
+    computed = pld_module._epsilon.cache_info().misses
+    assert computed > 5  # a calibration tries many z
+    assert plan_noise(SMALL, 2.0, DELTA, 2, 0.03, accountant="pld").noise_multiplier == first
+    assert pld_module._epsilon.cache_info().misses == computed
+    as_rounds = [(first, 1.0, 1)] + [(first, 0.1, 10)] * 5  # a ledger's rounds
+    as_schedule = [(first, 0.1, 50), (first, 1.0, 1)]
+    assert pld_module.history_key(as_rounds) == pld_module.history_key(as_schedule)
+    cached = pld_epsilon(as_rounds, [(0.06, 2)], DELTA)
+    fresh = pld_module.history_pld(as_schedule, [(0.06, 2)])
+    assert fresh is not None and cached == fresh.get_epsilon_for_delta(DELTA)
 
 
 def _history(z, n, b, rounds):

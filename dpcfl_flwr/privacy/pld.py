@@ -103,12 +103,18 @@ def _whole(steps: float) -> int:
     return math.ceil(steps - 1e-9)
 
 
-def history_pld(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = ()
-                ) -> PLD | None:
-    """The composed PLD of a history (None when it holds no mechanism)."""
-    # Counts are summed as integers and parts composed in a fixed order, so the same
-    # mechanisms give the same figure bit for bit whether a calibration lists them as a
-    # schedule or a ledger as rounds (calibration.py keeps a 1e-9 margin for nothing else).
+#: A history in canonical form: ((z, q, steps) of the sampled runs, sorted), the precision
+#: sum_i n_i / z_i^2 of the full-batch steps, ((epsilon_select, count), sorted). Equal
+#: histories, however they were listed, have equal keys.
+HistoryKey = tuple[tuple[tuple[float, float, int], ...], float, tuple[tuple[float, int], ...]]
+
+
+def history_key(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = ()
+                ) -> HistoryKey:
+    """The canonical form of a history (validated)."""
+    # Counts are summed as integers and parts kept in a fixed order, so the same mechanisms
+    # give the same figure bit for bit whether a calibration lists them as a schedule or a
+    # ledger as rounds (calibration.py keeps a 1e-9 margin for nothing else).
     full_batch: dict[float, int] = {}
     sampled: dict[tuple[float, float], int] = {}
     for z, q, steps in gaussian:
@@ -118,16 +124,28 @@ def history_pld(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionR
             full_batch[z] = full_batch.get(z, 0) + _whole(steps)
         else:
             sampled[(z, q)] = sampled.get((z, q), 0) + _whole(steps)
-    parts = [_sampled_steps(z, q, n) for (z, q), n in sorted(sampled.items()) if n]
-    precision = sum(n / z**2 for z, n in sorted(full_batch.items()))  # sum of n_i / z_i^2
-    if precision > 0:
-        parts.append(_gaussian(1 / math.sqrt(precision)))
     counts: dict[float, int] = {}
     for epsilon, count in selections:
         if not epsilon > 0:
             raise ValueError(f"a selection needs epsilon > 0, got {epsilon}")
         counts[epsilon] = counts.get(epsilon, 0) + _whole(count)
-    parts += [_pure_dp(epsilon, n) for epsilon, n in sorted(counts.items()) if n]
+    return (tuple((z, q, n) for (z, q), n in sorted(sampled.items()) if n),
+            sum(n / z**2 for z, n in sorted(full_batch.items())),
+            tuple((e, n) for e, n in sorted(counts.items()) if n))
+
+
+def history_pld(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = ()
+                ) -> PLD | None:
+    """The composed PLD of a history (None when it holds no mechanism)."""
+    return _compose(history_key(gaussian, selections))
+
+
+def _compose(key: HistoryKey) -> PLD | None:
+    sampled, precision, counts = key
+    parts = [_sampled_steps(z, q, n) for z, q, n in sampled]
+    if precision > 0:
+        parts.append(_gaussian(1 / math.sqrt(precision)))
+    parts += [_pure_dp(epsilon, n) for epsilon, n in counts]
     if not parts:
         return None
     return functools.reduce(lambda a, b: a.compose(b), parts)
@@ -138,7 +156,15 @@ def pld_epsilon(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionR
     """Epsilon at ``delta`` of a history by PLD alone (0 for an empty history)."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
-    composed = history_pld(gaussian, selections)
+    return _epsilon(history_key(gaussian, selections), delta)
+
+
+@functools.lru_cache(maxsize=1024)
+def _epsilon(key: HistoryKey, delta: float) -> float:
+    """Remembered by exact history: in a simulation the silos of one process share their
+    schedules, so each calibration's ~20 trial z and each round's check are computed once
+    per process, not once per silo (a composition and its epsilon take 0.1-0.8 s)."""
+    composed = _compose(key)
     return 0.0 if composed is None else float(composed.get_epsilon_for_delta(delta))
 
 
