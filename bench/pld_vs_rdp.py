@@ -58,8 +58,10 @@ def row(name: str, epsilon: float, accountant: str, runs: list[dict[str, Any]]) 
     accuracy = [r["summary"]["mean_accuracy"] for r in runs]
     minority = [r["summary"]["minority_accuracy"] for r in runs
                 if r["summary"].get("minority_accuracy") is not None]
+    wall = [r["wall_seconds"] for r in runs if r.get("wall_seconds")]
     return (f"| {name} | {epsilon:g} | {accountant} | {np.mean(z):.4f} | "
-            f"{np.max(spent):.3f} | {pm(accuracy)} | {pm(minority)} | {len(runs)} |")
+            f"{np.max(spent):.3f} | {pm(accuracy)} | {pm(minority)} | "
+            f"{np.median(wall) if wall else float('nan'):.0f} | {len(runs)} |")
 
 
 def main() -> None:
@@ -68,8 +70,8 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     lines = ["| setting | eps | accountant | z (median silo) | largest eps spent (own "
-             "accountant) | accuracy (%) | minority (%) | seeds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "accountant) | accuracy (%) | minority (%) | wall per run (s, median) | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for index, (name, (config, epsilon)) in enumerate(SETTINGS.items()):
         for accountant in ("rdp", "pld"):
             runs = grid(config, epsilon, accountant, args.seeds,
