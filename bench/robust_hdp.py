@@ -75,11 +75,21 @@ def true_variances(results: dict[str, Any], clip: float) -> dict[str, float]:
     return out
 
 
-def round_figures(results: dict[str, Any]) -> tuple[float, float, float]:
+def local_steps(results: dict[str, Any]) -> dict[str, int]:
+    """Per silo, the DP-SGD steps of one round: local epochs x ceil(N_i / b_i)."""
+    epochs = int(results["config"].get("local-epochs", 1))
+    return {str(c["partition"]): epochs * math.ceil(c["num_train"] / c["batch_size"])
+            for c in results["clients"] if c["batch_size"]}
+
+
+def round_figures(results: dict[str, Any]) -> tuple[float, float, float, float]:
     """Mean over rounds 2..T and clusters of: the noise level, the noise level relative to
-    the oracle's, and the Pearson correlation of the weights with the oracle's."""
+    the oracle's, the Pearson correlation of the weights with the oracle's, and the weighted
+    local steps sum_i w_i K_i (how far, in steps at the shared learning rate, the aggregate
+    moves: weights that favour large-batch silos favour silos that took few steps)."""
     variances = true_variances(results, float(results["config"]["clip-norm"]))
-    levels, relative, correlation = [], [], []
+    steps = local_steps(results)
+    levels, relative, correlation, moved = [], [], [], []
     for row in results["rounds"][1:]:
         for block in (row.get("aggregation") or {}).values():
             if block.get("noise_level") is None:
@@ -88,13 +98,15 @@ def round_figures(results: dict[str, Any]) -> tuple[float, float, float]:
             if block.get("oracle_noise_level"):
                 relative.append(block["noise_level"] / block["oracle_noise_level"])
             partitions = sorted(block["weights"])
+            if all(p in steps for p in partitions):
+                moved.append(sum(block["weights"][p] * steps[p] for p in partitions))
             if len(partitions) > 2 and all(p in variances for p in partitions):
                 weights = np.array([block["weights"][p] for p in partitions])
                 inverse = 1.0 / np.array([variances[p] for p in partitions])
                 if np.std(weights) > 0:
                     correlation.append(float(np.corrcoef(weights, inverse)[0, 1]))
     mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
-    return mean(levels), mean(relative), mean(correlation)
+    return mean(levels), mean(relative), mean(correlation), mean(moved)
 
 
 def pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
@@ -128,7 +140,7 @@ def rules_part(seeds: str) -> str:
         compare(config, "global", RULES, seeds, OUT / dist,
                 {"silo-epsilons": dist, "learning-rate": lr})
     header = "| rule | " + " | ".join(DISTS) + " |\n|---|" + "---|" * len(DISTS)
-    acc, noise, rel, corr, every = [], [], [], [], []
+    acc, noise, rel, corr, moved, every = [], [], [], [], [], []
     for rule in RULES:
         cells = {dist: runs(OUT / dist, "global", rule) for dist in DISTS}
         every += [r for d in DISTS for r in cells[d]]
@@ -140,6 +152,8 @@ def rules_part(seeds: str) -> str:
                                                for d in DISTS) + " |")
         corr.append(f"| {rule} | " + " | ".join(pm([f[2] for f in figures[d]], 1.0, 3)
                                                 for d in DISTS) + " |")
+        moved.append(f"| {rule} | " + " | ".join(pm([f[3] for f in figures[d]], 1.0, 1)
+                                                 for d in DISTS) + " |")
     return ("20 i.i.d. silos, N_i = 1000, T = 10 rounds of one local epoch, each silo's epsilon "
             "from the preset (paper 002 Table 7) and its batch size from the paper's list; one "
             f"learning rate per preset ({', '.join(f'{d} {lr:g}' for d, lr in DISTS.items())}) "
@@ -151,7 +165,10 @@ def rules_part(seeds: str) -> str:
             f"{header}\n" + "\n".join(noise) + "\n\n**Noise level relative to the oracle's** "
             "(1 = inverse-true-variance weights)\n\n" f"{header}\n" + "\n".join(rel)
             + "\n\n**Correlation of the weights with the oracle's** (Pearson, per round)\n\n"
-            f"{header}\n" + "\n".join(corr) + "\n" + compute(every))
+            f"{header}\n" + "\n".join(corr) + "\n\n**Weighted local steps** sum_i w_i K_i, "
+            "K_i = ceil(N_i / b_i) DP-SGD steps of silo i in a round (b_i from 16 to 128: 63 "
+            "to 8 steps): how far the aggregate moves at the shared learning rate\n\n"
+            f"{header}\n" + "\n".join(moved) + "\n" + compute(every))
 
 
 def noisiest(count: int) -> list[int]:
