@@ -202,7 +202,8 @@ def attack_part(seeds: str) -> str:
                      f"{sci([round_figures(r)[0] for r in honest])} | "
                      f"{sci([round_figures(r)[0] for r in attacked])} |")
     return (f"Silos {liars} (the three noisiest under Dist2) claim 10x their epsilon; their "
-            "noise stays calibrated for the real one.\n\n" + "\n".join(lines) + "\n"
+            "noise stays calibrated for the real one. How to read it: docs/aggregation.md"
+            "#our-numbers-against-the-papers.\n\n" + "\n".join(lines) + "\n"
             + compute(every))
 
 
@@ -246,7 +247,9 @@ def clustered_part(seeds: str) -> str:
                      f"{sci([round_figures(r)[0] for r in results])} |")
     return ("R-DPCFL, the quick example's rotation topology {3, 6, 6, 6}, silo i's epsilon "
             "5 x Dist2[i mod 20] (1.0 .. 27), the paper's batch sizes, RPCA from 3 silos per "
-            "cluster.\n\n" + "\n".join(lines) + "\n" + compute(every))
+            "cluster. Why the structure is lost when budgets differ this much: "
+            "docs/aggregation.md#our-numbers-against-the-papers.\n\n" + "\n".join(lines)
+            + "\n" + compute(every))
 
 
 PARTS = {
