@@ -88,7 +88,9 @@ def main() -> None:
             f"at lr {RDPCFL_LEARNING_RATE:g} (clip 3). The two guarantees are in different "
             "units and not comparable: d-privacy bounds how well the released model vectors "
             "can be told apart within a radius (for n = 28,938 parameters the bound is "
-            "vacuous), (epsilon, delta)-DP bounds what any one record changes.\n\n"
+            "vacuous), (epsilon, delta)-DP bounds what any one record changes. Where we differ "
+            "from paper 004's Table 2 (no fall by v = 10): docs/dprivacy.md"
+            "#on-fashion-mnist-accuracy-against-v.\n\n"
             + "\n".join(rows) + "\n")
     publish("d-privacy on Fashion-MNIST: accuracy against v, beside R-DPCFL", body,
             not args.no_append, bench="dprivacy_fmnist")
