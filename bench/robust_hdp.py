@@ -42,7 +42,7 @@ DISTS = {"dist2": 0.005, "dist8": 0.002}  # preset -> learning rate (the paper's
 ATTACK_RULES = ("weiavg", "robust-hdp")
 CLUSTERED_RULES = ("uniform", "robust-hdp")
 LEARNING_RATE_RULES = ("samples", "robust-hdp")
-LARGER_LEARNING_RATE = 0.005  # Dist8 at Dist2's rate: paper 002 Table 9 gives Robust-HDP the larger
+LARGER_LEARNING_RATE = 0.005  # Dist8 at Dist2's rate (paper 002 Table 9: Robust-HDP bears more)
 LIARS = 3
 
 
@@ -69,22 +69,21 @@ def runs(out: Path, method: str, rule: str) -> list[dict[str, Any]]:
     return found
 
 
-def true_variances(results: dict[str, Any], clip: float) -> dict[str, float]:
-    """Per silo, the per-coordinate variance of one round's DP noise at lr = 1 (paper 002
-    Eq. 7): K_i (z_i C / b_i)^2 with K_i = ceil(N_i / b_i), from what the silos reported."""
-    out = {}
-    for client in results["clients"]:
-        z, b, n = client["noise_multiplier"], client["batch_size"], client["num_train"]
-        if z and b:
-            out[str(client["partition"])] = math.ceil(n / b) * (z * clip / b) ** 2
-    return out
-
-
 def local_steps(results: dict[str, Any]) -> dict[str, int]:
     """Per silo, the DP-SGD steps of one round: local epochs x ceil(N_i / b_i)."""
     epochs = int(results["config"].get("local-epochs", 1))
     return {str(c["partition"]): epochs * math.ceil(c["num_train"] / c["batch_size"])
             for c in results["clients"] if c["batch_size"]}
+
+
+def true_variances(results: dict[str, Any], clip: float) -> dict[str, float]:
+    """Per silo, the per-coordinate variance of one round's DP noise at lr = 1 (paper 002
+    Eq. 7): K_i (z_i C / b_i)^2 with K_i the silo's steps in a round (:func:`local_steps`),
+    from what the silos reported."""
+    steps = local_steps(results)
+    return {str(c["partition"]): steps[str(c["partition"])]
+            * (c["noise_multiplier"] * clip / c["batch_size"]) ** 2
+            for c in results["clients"] if c["noise_multiplier"] and c["batch_size"]}
 
 
 def round_figures(results: dict[str, Any]) -> tuple[float, float, float, float]:
