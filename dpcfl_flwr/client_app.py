@@ -133,7 +133,7 @@ def _model(records: dict[str, WireModel], name: str, silo: Silo) -> dict[str, to
         raise BadRequest(f"the message carries no model '{name}'")
     try:
         state = unpack_state(records[name], silo.template())
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, EOFError, OSError) as exc:
         raise BadRequest(f"model '{name}' is not this silo's model: {exc}") from None
     if not all(bool(torch.isfinite(tensor).all()) for tensor in state.values()):
         raise BadRequest(f"model '{name}' has non-finite weights")
@@ -141,8 +141,14 @@ def _model(records: dict[str, WireModel], name: str, silo: Silo) -> dict[str, to
 
 
 def _candidates(records: dict[str, WireModel], silo: Silo) -> list[dict[str, torch.Tensor]]:
-    """The cluster models of a selection round: ``cluster-0`` .. ``cluster-{M-1}``, no gaps."""
+    """The cluster models of a selection round: ``cluster-0`` .. ``cluster-{M-1}``, no gaps,
+    at most the silo's ``max-candidates``; their number and names are checked before any is
+    unpacked, and every one is unpacked and checked before any is used."""
     names = [key for key in records if key.startswith(CLUSTER_PREFIX)]
+    limit = silo.silo.max_candidates
+    if len(names) > limit:
+        raise BadRequest(f"a selection round carries {len(names)} cluster models; this silo "
+                         f"scores at most {limit} (node config 'max-candidates')")
     expected = [cluster_key(m) for m in range(len(names))]
     if not names or sorted(names) != sorted(expected):
         raise BadRequest(f"a selection round needs models {CLUSTER_PREFIX}0 .. "
@@ -171,13 +177,15 @@ def train(message: Message, context: Context) -> Message:
     clock = handler_cpu_clock()
     started = clock()
     request: TrainRequest = parse_request(TrainRequest, message)
-    _remember_rounds(context, request)
     silo = _open_silo(context)
     with silo.charging():  # check, train and charge under the ledger's lock
         update, start, metrics = _train_round(silo, request, model_records(message.content),
                                               context)
+    _remember_rounds(context, request)
     _remember_ledger(context, silo)
-    metrics.update({"epsilon-spent": silo.spent(), "cpu-seconds": clock() - started})
+    metrics["epsilon-spent"] = silo.spent()
+    if silo.silo.report_cpu_seconds:  # timing follows the Poisson sample: an opt-in
+        metrics["cpu-seconds"] = clock() - started
     if request.personal:
         # Local training: the model stays in the silo; only metrics leave it.
         trained = {k: start[k] + update[k] for k in start}
@@ -189,33 +197,34 @@ def train(message: Message, context: Context) -> Message:
 def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel],
                  context: Context) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                             dict[str, float]]:
-    """Plan, check, (select and) train one round; returns the update, the weights it started
-    from and the reply's numbers. Runs under the ledger's lock."""
+    """Check the whole message (privatiser, work, every model), then plan, check the budget,
+    (select and) train one round; returns the update, the weights it started from and the
+    reply's numbers. Runs under the ledger's lock; nothing is calibrated or stored for a
+    message refused by its content."""
     check_privatiser(silo, request)
-    if request.privatiser == "dprivacy":
-        candidates = (_candidates(records, silo) if request.cluster == SELECT
-                      else [_received_or_own(records, context, silo)])
-        return released_round(silo, request, candidates, request.cluster)
     proposed = Schedule.from_request(request)
     schedule = silo.own_schedule(proposed)
     batch = silo.own_batch(request.batch, proposed)
+    silo.check_work(schedule, batch)
+    selecting = request.cluster == SELECT
+    candidates = (_candidates(records, silo) if selecting
+                  else [_received_or_own(records, context, silo)])
+    if request.privatiser == "dprivacy":
+        return released_round(silo, request, candidates, request.cluster)
+    anchor = None
+    if ANCHOR in records and request.prox_variant == "correct":
+        anchor = _model(records, ANCHOR, silo)
     plan = silo.plan(schedule, request.run_key)
     server_round, cluster = request.server_round, request.cluster
-    selecting = cluster == SELECT
     cost = silo.round_cost(plan, batch, server_round, schedule.local_epochs)
     planned: list[GaussianSteps | Selection] = [cost]
     if selecting:
         planned.append(Selection(plan.epsilon_select, round=server_round))
     silo.check(planned, server_round)
     if selecting:
-        candidates = _candidates(records, silo)
         cluster = silo.select(candidates, plan, server_round)
-        start = candidates[cluster]
-    else:
-        start = _received_or_own(records, context, silo)
-    prox = None
-    if ANCHOR in records and request.prox_variant == "correct":
-        prox = (request.prox_lambda, _model(records, ANCHOR, silo))
+    start = candidates[cluster if selecting else 0]
+    prox = None if anchor is None else (request.prox_lambda, anchor)
     dp = DPSGDConfig(plan.noise_multiplier, request.clip_norm, request.learning_rate,
                      batch, schedule.local_epochs, silo.experiment.physical_batch_size or None)
     update, metrics = silo.train(start, dp, server_round, prox)

@@ -248,6 +248,15 @@ class SiloConfig(ConfigModel):
     # the silo's accountant (docs/privacy.md#pld-accounting); unset: "rdp" (deployment), the
     # run config's (simulation)
     accountant: Literal["rdp", "pld"] | None = None
+    # what one message may make the silo do (docs/threat-model.md#work-per-message): cluster
+    # models scored in one selection, and DP-SGD steps in one round (the paper's settings
+    # run at most 250: N = 8000, b = 32, one local epoch)
+    max_candidates: int = Field(16, ge=1)
+    max_round_steps: int = Field(10_000, ge=1)
+    # whether replies carry the handler's CPU seconds: a timing that follows the number of
+    # records Poisson sampling drew, so off in deployment unless the silo opts in; unset:
+    # on in simulation (one operator), off in deployment
+    report_cpu_seconds: bool | None = None
 
     @field_validator("device")
     @classmethod
@@ -295,6 +304,7 @@ class SiloConfig(ConfigModel):
             source.update(registry.method_class(experiment.method).silo_defaults(
                 experiment.params))
         source.setdefault("privatiser", "dpsgd")
+        source.setdefault("report_cpu_seconds", trust_run_config)
         source.setdefault("accountant", experiment.accountant if trust_run_config else "rdp")
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})

@@ -11,6 +11,11 @@ Both return sum_i clip(grad l_i, c) for a batch, parameter by parameter.
   layer from the saved activations (one grouped weight-gradient convolution per conv), and
   Linear layers never materialise them (per-sample norm ||g|| ||a||, clipped sum one matmul).
   Tests check it against Opacus to float precision; bench/ measures the speed-up.
+
+The server chooses the weights (docs/threat-model.md#the-server-chooses-the-weights), so a
+record's gradient may overflow: a record whose per-sample squared norm is not finite gets clip
+factor 0 and its rows are zeroed before any sum, so it contributes nothing and cannot turn the
+batch's sum into NaN. Every record's contribution is bounded by ``clip`` whatever the weights.
 """
 
 from __future__ import annotations
@@ -43,8 +48,23 @@ class ClippedSumEngine(Protocol):
 
 
 def _clip_factors(squared_norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """min(1, clip / (||g_i|| + 1e-6)) per record, and 0 for a record whose squared norm is
+    not finite (inf or NaN: an overflow the server's weights can cause for one record).
+    ``clip`` = inf gives factor 1 to every finite record (an unclipped sum of finite ones)."""
     # The same 1e-6 guard as Opacus, so both engines clip identically.
-    return (clip / (squared_norms.sqrt() + 1e-6)).clamp(max=1.0)
+    factors = (clip / (squared_norms.sqrt() + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(squared_norms), factors, torch.zeros_like(factors))
+
+
+def _kept_rows(tensor: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (records along dim 0) with the rows of records of factor 0 set to zero: a
+    weight of 0 times an inf or NaN row is NaN, so a dropped record must be removed, not
+    scaled. Returns ``tensor`` itself when no record is dropped (the usual case)."""
+    keep = factors > 0
+    if bool(keep.all()):
+        return tensor
+    mask = keep.view(-1, *([1] * (tensor.dim() - 1)))
+    return torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype))
 
 
 class OpacusEngine:
@@ -72,7 +92,8 @@ class OpacusEngine:
         grads = [getattr(p, "grad_sample").reshape(x.shape[0], -1)  # noqa: B009 - dynamic
                  for p in self.params]
         factors = _clip_factors(torch.stack([g.pow(2).sum(1) for g in grads]).sum(0), clip)
-        sums = [(factors @ g).view_as(p) for g, p in zip(grads, self.params, strict=True)]
+        sums = [(factors @ _kept_rows(g, factors)).view_as(p)
+                for g, p in zip(grads, self.params, strict=True)]
         self._reset()
         return sums
 
@@ -168,7 +189,7 @@ def _materialised(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _LayerGrads
     """Per-sample gradients held as (B, ...) tensors: norms and weighted sums directly."""
     flat = [(p, t.reshape(t.shape[0], -1)) for p, t in pairs]
     squared = torch.stack([torch.linalg.vector_norm(t, dim=1) for _, t in flat]).pow(2).sum(0)
-    return _LayerGrads(squared, lambda c: [(p, c @ t) for p, t in flat])
+    return _LayerGrads(squared, lambda c: [(p, c @ _kept_rows(t, c)) for p, t in flat])
 
 
 def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
@@ -183,8 +204,8 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     squared = g_sq * a.pow(2).sum(1) + (g_sq if module.bias is not None else 0.0)
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        scaled = g * c[:, None]
-        out = [(module.weight, scaled.t() @ a)]
+        scaled = _kept_rows(g, c) * c[:, None]
+        out = [(module.weight, scaled.t() @ _kept_rows(a, c))]
         if module.bias is not None:
             out.append((module.bias, scaled.sum(0)))
         return out
@@ -244,26 +265,49 @@ def _without_onednn(active: bool) -> Iterator[None]:
             yield
 
 
+#: A record whose ghost norm is below this fraction of its triangle bound sum_t ||a_t|| ||g_t||
+#: is cancelling across positions; the float32 Gram sum and the weight-gradient convolution then
+#: round differently (errors ~1e-7 T of the bound), and weights chosen to cancel could make a
+#: "clipped" contribution far larger than the clip. Such records are materialised instead.
+_GHOST_MIN_RATIO = 0.1
+
+
 def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
                   g: torch.Tensor) -> _LayerGrads:
     """Per-sample norms without per-sample gradients: ||sum_t g_t a_t^T||_F^2 =
     sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one ordinary weight-gradient
-    convolution of the clip-weighted output gradients."""
+    convolution of the clip-weighted output gradients. Records whose norm is not well above
+    float32 rounding of their terms (:data:`_GHOST_MIN_RATIO`, or not finite) get their
+    gradient materialised, so norm and sum are computed from the same numbers."""
     batch = a.shape[0]
     columns = F.unfold(a, module.kernel_size, module.dilation, padding, module.stride)
     grads = g.reshape(batch, g.shape[1], -1)
     gram_a = torch.bmm(columns.transpose(1, 2), columns)
     gram_g = torch.bmm(grads.transpose(1, 2), grads)
     squared = (gram_a * gram_g).sum((1, 2))
+    position_norms = grads.norm(dim=1)
+    bound = (columns.norm(dim=1) * position_norms).sum(1)
     if module.bias is not None:
         squared = squared + grads.sum(2).pow(2).sum(1)
+        bound = bound + position_norms.sum(1)
+    # NaN compares False: a non-finite record is materialised too (and then dropped).
+    flagged = (~(squared.sqrt() >= _GHOST_MIN_RATIO * bound)).nonzero().squeeze(1)
+    exact = None
+    if flagged.numel():
+        exact = _conv2d_materialised(module, padding, a[flagged], g[flagged])
+        squared = squared.index_put((flagged,), exact.squared_norms)
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        scaled = g * c.view(-1, 1, 1, 1)
-        out = [(module.weight, conv2d_weight(a, module.weight.shape, scaled, module.stride,
-                                             padding, module.dilation, module.groups))]
+        ghost_c = c if exact is None else c.index_fill(0, flagged, 0.0)
+        scaled = _kept_rows(g, ghost_c) * ghost_c.view(-1, 1, 1, 1)
+        out = [(module.weight, conv2d_weight(_kept_rows(a, ghost_c), module.weight.shape,
+                                             scaled, module.stride, padding, module.dilation,
+                                             module.groups))]
         if module.bias is not None:
             out.append((module.bias, scaled.sum((0, 2, 3))))
+        if exact is not None:
+            rest = dict((id(p), t) for p, t in exact.weighted_sums(c[flagged]))
+            out = [(p, t + rest[id(p)].view_as(t)) for p, t in out]
         return out
 
     return _LayerGrads(squared, weighted)

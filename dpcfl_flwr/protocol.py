@@ -128,12 +128,37 @@ def unpack_state(model: WireModel, template: Mapping[str, torch.Tensor]
     size = sum(t.numel() for t in template.values())
     vector = _packed_vector(model, size)
     if isinstance(vector, ArrayRecord):
-        return vector.to_torch_state_dict()
+        return _named_state(vector, template)
     flat, out, start = torch.from_numpy(vector.copy()), {}, 0
     for name, like in template.items():
         out[name] = flat[start:start + like.numel()].reshape(like.shape).to(like.dtype)
         start += like.numel()
     return out
+
+
+def _named_state(record: ArrayRecord, template: Mapping[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """A named model's tensors, checked name by name against ``template`` (names in order,
+    shapes, floating dtypes) before any is converted: a wrong layout is a ValueError naming
+    the first difference, never an error deep inside ``load_state_dict``."""
+    names, expected = list(record.keys()), list(template)
+    if names != expected:
+        extra = sorted(set(names) - set(expected))[:3]
+        missing = sorted(set(expected) - set(names))[:3]
+        raise ValueError(f"its tensors are not the model's (unexpected {extra or 'none'}, "
+                         f"missing {missing or 'none'}, or another order)")
+    state = {}
+    for name, like in template.items():
+        declared = record[name]
+        if tuple(declared.shape) != tuple(like.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(declared.shape)}, the model's "
+                             f"is {tuple(like.shape)}")
+        array = declared.numpy()
+        if array.shape != tuple(like.shape) or array.dtype.kind != "f":
+            raise ValueError(f"tensor {name!r} holds {array.dtype} {array.shape}, the model's "
+                             f"is float {tuple(like.shape)}")
+        state[name] = torch.from_numpy(array.copy()).to(like.dtype)
+    return state
 
 
 class ModelLayout:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -42,6 +43,7 @@ from .privacy import (
     selection_rdp,
     two_stage_schedule,
 )
+from .privacy.ledger import Entry
 from .privacy.metrics import LOSS_BOUND
 from .requests import BadRequest
 from .training import (
@@ -55,6 +57,11 @@ from .training import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+#: Noise plans a ledger keeps (one per run key, the oldest dropped first). A plan only says
+#: which z a run uses; spending is bounded by the ledger's history, so dropping one is safe.
+MAX_PLANS = 64
 
 
 class BudgetExceeded(RuntimeError):
@@ -119,6 +126,7 @@ class Silo:
         self.ledger_path = Path(self.silo.ledger_path)
         self._state_ledger = state_ledger
         self.ledger = self._load_ledger()
+        self._unstored_plan: tuple[str, SiloPlan] | None = None
 
     # --- identity and data ----------------------------------------------------------------
     @functools.cached_property
@@ -187,21 +195,22 @@ class Silo:
 
     # --- plan -------------------------------------------------------------------------------
     def plan(self, schedule: Schedule, run_key: int = 0) -> SiloPlan:
-        """Calibrate z for the proposed schedule once per run, and keep it in the ledger.
+        """Calibrate z for the proposed schedule once per run; the plan is kept in the ledger
+        with the run's first charge (:meth:`charge`), so a message refused later leaves no
+        trace in the ledger.
 
         ``run_key``: what the server names the run by, the same when it resumes the run in a
         new Flower run (0: this Flower run's id), so a resumed silo keeps its z. A key only
         picks which stored plan applies; what the silo may spend is its ledger's to say."""
-        runs = self.ledger.meta.setdefault("runs", {})
         key = str(run_key or self.run_id)
-        stored = runs.get(key)
+        stored = self.ledger.meta.get("runs", {}).get(key)
         if stored is not None:
             if stored["schedule_key"] != schedule.key():
                 raise BudgetExceeded("the server changed the DP schedule in the middle of a run")
             return SiloPlan(**stored)
         spent_before = self.spent()
         plan = self._calibrate(schedule)
-        runs[key] = plan.__dict__
+        self._unstored_plan = (key, plan)
         if spent_before > 0:
             logger.warning("silo %s starts run %s with epsilon %.4g of %g already spent in "
                            "earlier runs: z=%.4f for what is left (%s)", self.silo.partition_id,
@@ -211,6 +220,18 @@ class Silo:
             logger.info("silo %s: z=%.4f for %s", self.silo.partition_id,
                         plan.noise_multiplier, schedule)
         return plan
+
+    def charge(self, entries: Sequence[Entry]) -> None:
+        """Record mechanisms in the ledger, with the run's plan if this is its first charge
+        (at most :data:`MAX_PLANS` plans are kept, the oldest dropped first)."""
+        if self._unstored_plan is not None:
+            key, plan = self._unstored_plan
+            runs = self.ledger.meta.setdefault("runs", {})
+            runs[key] = plan.__dict__
+            for old in list(runs)[:max(0, len(runs) - MAX_PLANS)]:
+                del runs[old]
+            self._unstored_plan = None
+        self.ledger.record(entries)
 
     def _calibrate(self, s: Schedule) -> SiloPlan:
         n, b = self.data.num_train, self.budget
@@ -310,14 +331,29 @@ class Silo:
         rng = None if seed is None else np.random.default_rng(seed)
         choice = select_cluster(utilities, plan.epsilon_select,
                                 accuracy_sensitivity(self.data.num_train), rng)
-        self.ledger.record([Selection(plan.epsilon_select, round=round_number)])
+        self.charge([Selection(plan.epsilon_select, round=round_number)])
         return choice
+
+    def check_work(self, schedule: Schedule, batch: int | Literal["full"]) -> None:
+        """Refuse a round or a schedule whose rounds would run more DP-SGD steps than the
+        silo's limit (node config ``max-round-steps``), or a batch above its records: the
+        work one message can cause is bounded before anything is computed."""
+        n, limit = self.data.num_train, self.silo.max_round_steps
+        asked = [("round-batch", batch), ("batch-size", schedule.batch_size),
+                 ("first-batch", schedule.first_batch)]
+        for field, size in asked:
+            if size != "full" and size > n:
+                raise BadRequest(f"train message: '{field}' = {size} exceeds this silo's {n} "
+                                 "training records")
+            steps = schedule.local_epochs * math.ceil(n / (n if size == "full" else size))
+            if steps > limit:
+                raise BadRequest(
+                    f"train message: 'local-epochs' = {schedule.local_epochs} with "
+                    f"'{field}' = {size} asks {steps} DP-SGD steps a round of this silo's {n} "
+                    f"records; it runs at most {limit} (node config 'max-round-steps')")
 
     def round_cost(self, plan: SiloPlan, batch: int | Literal["full"], round_number: int,
                    epochs: int) -> GaussianSteps:
-        if batch != "full" and batch > self.data.num_train:
-            raise BadRequest(f"train message: 'round-batch' = {batch} exceeds this silo's "
-                             f"{self.data.num_train} training records")
         return round_cost(self.data.num_train, batch, epochs, plan.noise_multiplier,
                           round_number)
 
@@ -329,7 +365,7 @@ class Silo:
         model = self.new_model(state)
         result = train_dp(model, self.data.x_train, self.data.y_train, config,
                           round_number=round_number, seed=self.charge_seed(), prox=prox)
-        self.ledger.record(result.entries)
+        self.charge(result.entries)
         metrics: dict[str, float] = {"num-examples": self.data.num_train}
         if not self.private_metrics:
             metrics["val-loss"], metrics["val-accuracy"] = evaluate(
@@ -360,7 +396,7 @@ class Silo:
             exact = {"test-loss": loss_sum / count, "test-accuracy": correct / count}
             cost = self.evaluation_cost(round_number)
             generator = secure_generator(self.charge_seed())
-            self.ledger.record(cost)
+            self.charge(cost)
             loss, accuracy = noisy_evaluation(correct, loss_sum, count,
                                               cost[0].noise_multiplier, generator)
         return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}, exact

@@ -20,9 +20,10 @@ import torch
 
 from .privacy.dprivacy import sanitize_update
 from .privacy.ledger import DPrivacyRelease
+from .privacy.metrics import LOSS_BOUND
 from .requests import BadRequest, TrainRequest
 from .silo import BudgetExceeded, Schedule, Silo
-from .training import evaluate, train_sgd
+from .training import evaluation_sums, train_sgd
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,11 @@ def check_leakage(silo: Silo, leakage: float, round_number: int) -> None:
 
 
 def best_fit(silo: Silo, candidates: list[dict[str, torch.Tensor]]) -> int:
-    """The hypothesis of lowest loss on the silo's training records (paper 004, Alg. 1)."""
-    losses = [evaluate(silo.new_model(state), silo.data.x_train, silo.data.y_train)[0]
-              for state in candidates]
+    """The hypothesis of lowest loss on the silo's training records (paper 004, Alg. 1), each
+    record's loss bounded (:func:`~.training.bounded_losses`): a record on which the server's
+    weights overflow cannot make a sum NaN and steer the choice by itself."""
+    losses = [evaluation_sums(silo.new_model(state), silo.data.x_train, silo.data.y_train,
+                              LOSS_BOUND)[0] for state in candidates]
     return int(np.argmin(losses))
 
 
@@ -101,10 +104,13 @@ def released_round(silo: Silo, request: TrainRequest,
               silo.data.num_train if batch == "full" else batch,
               schedule.local_epochs, seed)
     trained, received = _flat(model.state_dict()), _flat(start)
+    # Finite per-record gradients can still overflow in the sum of many steps; the release is
+    # then the received model there, never a NaN the mechanism cannot noise.
+    trained = np.where(np.isfinite(trained), trained, received)
     if math.isfinite(leakage):
         sanitized = sanitize_update(trained, received, float(silo.silo.dprivacy_noise or 0.0),
                                     np.random.default_rng(seed))
-        silo.ledger.record([DPrivacyRelease(sanitized.epsilon, sanitized.leakage,
+        silo.charge([DPrivacyRelease(sanitized.epsilon, sanitized.leakage,
                                             round=request.server_round)])
         released = sanitized.released
     else:

@@ -249,22 +249,58 @@ def train_sgd(model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor,
               seed: int | None = None) -> dict[str, torch.Tensor]:
     """Plain (not private) local SGD on ``model`` in place: ``epochs`` passes over the records
     in shuffled batches of ``batch_size``; returns the update. What leaves the silo must then
-    be privatised otherwise (d-privacy's sanitiser, docs/dprivacy.md)."""
+    be privatised otherwise (d-privacy's sanitiser, docs/dprivacy.md).
+
+    A record whose loss or gradient is not finite (weights the server chose to overflow on it)
+    contributes nothing to its batch's step (:func:`_finite_records_gradient`)."""
     n = int(x_train.shape[0])
     if n == 0 or y_train.shape[0] != n or batch_size < 1 or learning_rate <= 0:
         raise ValueError("need non-empty data, a positive batch size and learning rate")
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimiser = torch.optim.SGD(model.parameters(), lr=learning_rate)
+    params = [p for p in model.parameters() if p.requires_grad]
     shuffler = secure_generator(seed)
     model.train()
     for _ in range(epochs):
         order = torch.randperm(n, generator=shuffler)
         for first in range(0, n, batch_size):
             rows = order[first:first + batch_size]
-            optimiser.zero_grad()
-            nn.functional.cross_entropy(model(x_train[rows]), y_train[rows]).backward()
-            optimiser.step()
+            grads = _finite_records_gradient(model, params, x_train[rows], y_train[rows])
+            with torch.no_grad():
+                for p, grad in zip(params, grads, strict=True):
+                    p.add_(grad, alpha=-learning_rate)
     return {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
+
+
+def _finite_records_gradient(model: nn.Module, params: list[nn.Parameter], x: torch.Tensor,
+                             y: torch.Tensor) -> list[torch.Tensor]:
+    """The mean cross-entropy gradient of a batch over its records whose gradient is finite
+    (the others count as zero, the mean is still over the whole batch). One ordinary backward
+    pass when it comes out finite; otherwise per-record gradients drop the non-finite records
+    (0 x inf is NaN, so masking the loss alone cannot remove a record from the backward)."""
+    for p in params:
+        p.grad = None
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    finite = torch.isfinite(losses)
+    (torch.where(finite, losses, torch.zeros_like(losses)).sum() / x.shape[0]).backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p in params:
+        p.grad = None
+    if all(bool(torch.isfinite(grad).all()) for grad in grads):
+        return grads
+    engine = make_engine(model, "auto")
+    try:
+        sums = engine.clipped_sum(x, y, math.inf)
+    finally:
+        engine.close()
+    return [total / x.shape[0] for total in sums]
+
+
+def bounded_losses(losses: torch.Tensor, loss_bound: float) -> torch.Tensor:
+    """Per-record losses in [0, ``loss_bound``]: a loss that is not finite (NaN, or inf from
+    weights that overflow on one record) counts as ``loss_bound``, never as NaN, so one record
+    moves a sum of them by at most the bound."""
+    bounded = losses.clamp(min=0.0, max=loss_bound)
+    return torch.where(torch.isfinite(losses), bounded, torch.full_like(losses, loss_bound))
 
 
 @torch.inference_mode()
@@ -272,8 +308,9 @@ def evaluation_sums(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_bound: float = math.inf,
     batch_size: int = 1024,
 ) -> tuple[float, int]:
-    """Sum of per-record cross-entropy (nats, each clipped to ``loss_bound``) and the number of
-    correct predictions of ``model`` on (x, y): the sums a private evaluation noises."""
+    """Sum of per-record cross-entropy (nats, each in [0, ``loss_bound``], a non-finite one
+    counted as the bound: :func:`bounded_losses`) and the number of correct predictions of
+    ``model`` on (x, y): the sums a private evaluation noises."""
     if x.shape[0] == 0:
         raise ValueError("cannot evaluate on an empty split")
     model.eval()
@@ -282,7 +319,7 @@ def evaluation_sums(
         logits = model(x[start:start + batch_size])
         target = y[start:start + batch_size]
         losses = nn.functional.cross_entropy(logits, target, reduction="none")
-        loss_sum += float(losses.clamp(max=loss_bound).sum())
+        loss_sum += float(bounded_losses(losses, loss_bound).sum())
         correct += int((logits.argmax(dim=1) == target).sum())
     return loss_sum, correct
 

@@ -27,7 +27,7 @@ from dpcfl_flwr.protocol import (
     model_records,
 )
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import BudgetExceeded, Schedule, Silo
+from dpcfl_flwr.silo import MAX_PLANS, BudgetExceeded, Schedule, Silo
 
 N = 80
 
@@ -58,18 +58,40 @@ def simulation(monkeypatch):
     monkeypatch.setattr("dpcfl_flwr.client_app.running_in_simulation", lambda: True)
 
 
+def _charge_first_round(silo, plan) -> None:
+    silo.charge([silo.round_cost(plan, "full", 1, 1)])
+
+
 def test_plan_is_made_once_per_run_and_survives_a_restart(experiment):
     silo = _silo(experiment)
     plan = silo.plan(_schedule(experiment))
+    _charge_first_round(silo, plan)
     silo.persist()
     restarted = _silo(experiment)
     assert restarted.plan(_schedule(experiment)) == plan
     assert restarted.ledger.meta["runs"]["7"]["noise_multiplier"] == plan.noise_multiplier
 
 
-def test_a_changed_schedule_in_the_same_run_is_refused(experiment):
+def test_a_plan_is_kept_only_once_a_round_is_charged(experiment):
     silo = _silo(experiment)
     silo.plan(_schedule(experiment))
+    silo.persist()
+    assert "runs" not in silo.ledger.meta and not silo.ledger.entries
+
+
+def test_a_ledger_keeps_at_most_its_limit_of_plans(experiment, monkeypatch):
+    monkeypatch.setattr("dpcfl_flwr.silo.MAX_PLANS", 3)
+    silo = _silo(experiment)
+    for run_key in range(1, 6):
+        silo.plan(_schedule(experiment), run_key)
+        silo.charge([Selection(0.01, round=1)])
+    assert list(silo.ledger.meta["runs"]) == ["3", "4", "5"]  # the oldest dropped
+    assert MAX_PLANS >= 16  # a silo that runs many experiments keeps its recent plans
+
+
+def test_a_changed_schedule_in_the_same_run_is_refused(experiment):
+    silo = _silo(experiment)
+    _charge_first_round(silo, silo.plan(_schedule(experiment)))
     longer = Schedule(50, 1, 32, "full", 2, 0.03, "classic", "split")
     with pytest.raises(BudgetExceeded, match="changed the DP schedule"):
         silo.plan(longer)

@@ -1,0 +1,88 @@
+"""Weights a malicious server crafts so that the forward pass overflows on one record only: the
+NaN canary (docs/threat-model.md#the-server-chooses-the-weights).
+
+The first convolution's unit 0 becomes a detector that fires only on the target record (its
+filter's response is above a threshold set between the target's and every other record's);
+every later layer's unit 0 reads only unit 0 of the layer before, times 1e30. On the target the
+logits overflow to inf, so its loss and gradient are inf or NaN; on every other record unit 0 is
+exactly 0 all the way, so their losses and gradients stay ordinary. Without per-record guards
+one such record turns a whole clipped sum, and so the released update, into NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AMPLIFY = 1e30
+
+
+class GhostNet(nn.Module):
+    """A small network whose second convolution takes the layerwise engine's ghost-norm path
+    (4 output positions, fan-in 36, 64 filters); inputs are (B, 1, 6, 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 64, 3, stride=3)
+        self.fc = nn.Linear(64 * 2 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.fc(torch.flatten(hidden, 1))
+
+
+class GroupNormNet(nn.Module):
+    """Convolutions with a GroupNorm (one group per channel) between them; (B, 1, 6, 6). The
+    norm comes before the amplification: GroupNorm would scale an overflow back down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 4)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.relu(self.conv2(self.norm(F.relu(self.conv1(x)))))
+        return self.fc(torch.flatten(hidden, 1))
+
+
+def _trainable_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+
+
+@torch.no_grad()
+def plant_canary(model: nn.Module, x: torch.Tensor) -> int:
+    """Make ``model`` (in place) overflow on one record of ``x`` only; returns its index.
+
+    The target is the record whose response to the first convolution's filter 0 is highest
+    (unique for real images); the threshold sits halfway to the second highest."""
+    first, *later = _trainable_layers(model)
+    assert isinstance(first, nn.Conv2d), "the canary's detector is the first convolution"
+    responses = F.conv2d(x, first.weight[:1], None, first.stride, first.padding)
+    peaks = responses.flatten(1).amax(1)
+    top = torch.topk(peaks, 2)
+    target = int(top.indices[0])
+    first.bias[0] = -float(top.values.mean())
+    channels = first.out_channels
+    for layer in later:
+        if layer.bias is not None:
+            layer.bias[0] = 0.0
+        layer.weight[0] = 0.0
+        if isinstance(layer, nn.Conv2d):  # every tap: unit 0 fires wherever it is
+            layer.weight[0, 0] = AMPLIFY
+            channels = layer.out_channels
+        else:  # after a flatten of (channels, positions): unit 0's features come first
+            layer.weight[0, :layer.in_features // channels] = AMPLIFY
+    return target
+
+
+def per_record_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y, reduction="none")
+
+
+def without(x: torch.Tensor, index: int) -> torch.Tensor:
+    return torch.cat([x[:index], x[index + 1:]])
