@@ -54,18 +54,19 @@ def _trainable_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def plant_canary(model: nn.Module, x: torch.Tensor) -> int:
+def plant_canary(model: nn.Module, x: torch.Tensor, fire: bool = True) -> int:
     """Make ``model`` (in place) overflow on one record of ``x`` only; returns its index.
 
     The target is the record whose response to the first convolution's filter 0 is highest
-    (unique for real images); the threshold sits halfway to the second highest."""
+    (unique for real images); the threshold sits halfway to the second highest. ``fire=False``
+    sets it above every record instead: the same weights, on data without the target."""
     first, *later = _trainable_layers(model)
     assert isinstance(first, nn.Conv2d), "the canary's detector is the first convolution"
     responses = F.conv2d(x, first.weight[:1], None, first.stride, first.padding)
     peaks = responses.flatten(1).amax(1)
     top = torch.topk(peaks, 2)
     target = int(top.indices[0])
-    first.bias[0] = -float(top.values.mean())
+    first.bias[0] = -float(top.values.mean() if fire else top.values[0] + 1.0)
     channels = first.out_channels
     for layer in later:
         if layer.bias is not None:

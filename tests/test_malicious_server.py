@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import time
+import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.models import build_model
 from dpcfl_flwr.privacy import (
     DEFAULT_ORDERS,
     PrivacyBudget,
@@ -29,6 +32,7 @@ from dpcfl_flwr.privacy import (
     noisy_evaluation,
 )
 from dpcfl_flwr.protocol import (
+    ANCHOR,
     ARRAYS,
     BAD_REQUEST,
     BUDGET_EXCEEDED,
@@ -45,7 +49,8 @@ from dpcfl_flwr.protocol import (
     pack_state,
 )
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Schedule
+from dpcfl_flwr.silo import Schedule, Silo
+from tests.poisoned_models import plant_canary
 
 N = 80  # training records of the silo
 EPSILON, DELTA = 4.0, 1e-5
@@ -365,3 +370,209 @@ def test_two_processes_cannot_both_spend_the_last_of_the_budget(tmp_path):
     ledger = PrivacyLedger.load(tmp_path / "silo" / "ledger.json")
     assert len(ledger.entries) == 1
     assert ledger.spent(PrivacyBudget(EPSILON, DELTA)) <= EPSILON
+
+
+# --- the server chooses the weights: the NaN canary on every handler path ----------------------
+def _silo_records(attacker: Attacker, split: str) -> torch.Tensor:
+    """The deployed silo's records of ``split`` (the attacker's target is one of them)."""
+    silo = Silo(parse_node_config(attacker.context.node_config),
+                parse_run_config(attacker.context.run_config), 11)
+    return silo.data.x_train if split == "train" else silo.data.x_test
+
+
+def _poisoned_state(attacker: Attacker, fire: bool, split: str = "train") -> ArrayRecord:
+    """The CNN with the canary planted on one of the silo's records (``fire``), or the same
+    weights with the detector's threshold above every record: the silo without the target."""
+    model = build_model("cnn")
+    model.load_state_dict(attacker.model.to_torch_state_dict())
+    plant_canary(model, _silo_records(attacker, split), fire=fire)
+    return ArrayRecord(model.state_dict())
+
+
+def _nan_fraction(reply: Message) -> float:
+    """The share of NaN values in a reply's update; the update must also have trained (a
+    fallback that released the received model would hide the NaN and leak the same bit)."""
+    assert not reply.has_error(), reply.error.reason
+    update = _update(reply)
+    assert np.count_nonzero(update) > 0.5 * update.size
+    return float(np.isnan(update).mean())
+
+
+def _dprivacy_node(tmp_path: Path) -> dict[str, Any]:
+    return _node_config(tmp_path, privatiser="dprivacy", **{"dprivacy-noise": 1.0,
+                                                             "dprivacy-leakage-budget": 0.0})
+
+
+def _canary_replies(tmp_path: Path, path: str, fire: bool) -> list[Message]:
+    """The replies of one silo, attacked along ``path`` with the poisoned model."""
+    node = _dprivacy_node(tmp_path) if path == "dprivacy" else _node_config(tmp_path)
+    attacker = Attacker(tmp_path, node)
+    poisoned = _poisoned_state(attacker, fire, "test" if path == "evaluate" else "train")
+    packed = pack_state(poisoned.to_torch_state_dict())
+    train = {"stage": "train", "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    if path == "evaluate":
+        attacker.model = poisoned
+        return [attacker.evaluate() for _ in range(3)]
+    if path == "dprivacy":
+        attacker.model = poisoned
+        return [attacker.train(1, cluster=-2, privatiser="dprivacy")]
+    attacker.train(1, cluster=-2)  # an ordinary first round
+    if path == "poisson":  # the target is drawn in a step with probability 1 - (1/80)^2
+        attacker.model = poisoned
+        return [attacker.train(2, **{"round-batch": str(N - 1)})]
+    if path == "selection":
+        fields = {**train, "server-round": 2, "cluster": SELECT, "round-batch": str(N - 1)}
+        return [attacker.send("train", one_record(CONFIG, fields, {
+            cluster_key(0): packed, cluster_key(1): packed}))]
+    assert path == "prox"  # MR-MTL: the anchor of the proximal term is poisoned as well
+    fields = {**train, "server-round": 2, "cluster": 0, "round-batch": "full",
+              "prox-lambda": 0.5}
+    return [attacker.send("train", one_record(CONFIG, fields, {ARRAYS: packed,
+                                                               ANCHOR: packed}))]
+
+
+@pytest.mark.parametrize("path", ["poisson", "selection", "prox", "dprivacy", "evaluate"])
+def test_the_nan_canary_changes_no_reply(tmp_path, path, server_task_identity):
+    """Weights that overflow on one target record: every reply is the same kind with and
+    without the target (answered, finite, charged alike), on every path that sums over
+    records. The full-batch round is test_a_full_batch_round_with_the_canary_is_finite."""
+    outcomes, norms = [], []
+    for fire in (True, False):
+        replies = _canary_replies(tmp_path / str(fire), path, fire)
+        if path == "evaluate":
+            losses = [float(r.content.metric_records[METRICS]["test-loss"]) for r in replies]
+            assert all(math.isfinite(loss) for loss in losses)
+            outcomes.append(len(losses))
+        else:
+            outcomes.append([_nan_fraction(r) for r in replies])
+            norms.append(float(np.linalg.norm(_update(replies[0]))))
+        ledger = PrivacyLedger.load(tmp_path / str(fire) / "silo" / "ledger.json")
+        outcomes.append([e.kind for e in ledger.entries])
+    assert outcomes[:2] == outcomes[2:]
+    if path != "evaluate":
+        assert outcomes[0] == [0.0]
+        # the target's record counts as zero, the other 79 train as without it; a fallback
+        # that kept the received weights would release an update of a far smaller norm
+        assert 0.5 < norms[0] / norms[1] < 2.0
+
+
+def test_a_full_batch_round_with_the_canary_is_finite(tmp_path, server_task_identity):
+    """Round 1 sums every record: before the per-record guards, its update was 100% NaN."""
+    for fire in (True, False):
+        attacker = Attacker(tmp_path / str(fire))
+        attacker.model = _poisoned_state(attacker, fire)
+        assert _nan_fraction(attacker.train(1, cluster=-2)) == 0.0
+        assert len(attacker.ledger().entries) == 1
+
+
+# --- the work one message causes is bounded ----------------------------------------------------
+def test_ten_thousand_candidates_are_refused_before_any_is_read(tmp_path,
+                                                                 server_task_identity):
+    attacker = Attacker(tmp_path)
+    attacker.train(1, cluster=-2)
+    before = attacker.ledger_path.read_bytes()
+    packed = pack_state(attacker.model.to_torch_state_dict())
+    fields = {"server-round": 2, "stage": "train", "cluster": SELECT, "round-batch": "32",
+              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    message = one_record(CONFIG, fields, {cluster_key(m): packed for m in range(10_000)})
+    tracemalloc.start()
+    cpu = time.thread_time()
+    reply = attacker.send("train", message)
+    cpu = time.thread_time() - cpu
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    _refused(reply, BAD_REQUEST, "10000 cluster models", "'max-candidates'")
+    assert cpu < 2.0 and peak < 32 * 2**20  # measured: ~0.02 s of CPU, ~1 MB
+    assert attacker.ledger_path.read_bytes() == before
+
+
+def test_one_malformed_candidate_is_refused_before_any_is_scored(tmp_path,
+                                                                  server_task_identity):
+    attacker = Attacker(tmp_path)
+    attacker.train(1, cluster=-2)
+    before = attacker.ledger_path.read_bytes()
+    packed = pack_state(attacker.model.to_torch_state_dict())
+    models = {cluster_key(m): packed for m in range(16)}
+    models[cluster_key(15)] = packed[:-4]
+    fields = {"server-round": 2, "stage": "train", "cluster": SELECT, "round-batch": "32",
+              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    _refused(attacker.send("train", one_record(CONFIG, fields, models)), BAD_REQUEST,
+             "cluster-15")
+    assert attacker.ledger_path.read_bytes() == before
+
+
+def test_a_silo_sets_its_own_candidate_limit(tmp_path, server_task_identity):
+    attacker = Attacker(tmp_path, _node_config(tmp_path, **{"max-candidates": 2}))
+    attacker.train(1, cluster=-2)
+    assert not attacker.train(2, cluster=SELECT, candidates=2).has_error()
+    _refused(attacker.train(3, cluster=SELECT, candidates=3), BAD_REQUEST, "at most 2")
+
+
+def test_a_round_beyond_the_silo_step_limit_is_refused(tmp_path, server_task_identity):
+    """local-epochs 1000 at batch 1 asks 80,000 DP steps of an 80-record silo; the default
+    limit is 10,000 and a silo may set its own."""
+    attacker = Attacker(tmp_path)
+    reply = attacker.train(1, cluster=-2, **_schedule(local_epochs=1000, batch_size=1),
+                           **{"round-batch": "1"})
+    _refused(reply, BAD_REQUEST, "80000 DP-SGD steps", "at most 10000", "'max-round-steps'")
+    assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+    tight = Attacker(tmp_path / "tight", _node_config(tmp_path / "tight",
+                                                      **{"max-round-steps": 3}))
+    assert not tight.train(1, cluster=-2).has_error()  # the schedule's rounds: 1 and 3 steps
+    _refused(tight.train(2, **{"round-batch": "16"}), BAD_REQUEST, "asks 5 DP-SGD steps",
+             "at most 3")
+    fresh = Attacker(tmp_path / "fresh", _node_config(tmp_path / "fresh",
+                                                      **{"max-round-steps": 3}))
+    _refused(fresh.train(1, cluster=-2, **_schedule(batch_size=8)), BAD_REQUEST,
+             "'batch-size' = 8 asks 10")
+
+
+def test_refused_messages_store_no_plan(tmp_path, server_task_identity):
+    """200 messages under fresh run keys, each with a malformed model: nothing calibrated,
+    nothing stored, the ledger's bytes unchanged."""
+    attacker = Attacker(tmp_path)
+    attacker.train(1, cluster=-2)
+    before = attacker.ledger_path.read_bytes()
+    packed = pack_state(attacker.model.to_torch_state_dict())
+    fields = {"server-round": 1, "stage": "train", "cluster": 0, "round-batch": "full",
+              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    cpu = time.thread_time()
+    for run_key in range(1000, 1200):
+        reply = attacker.send("train", one_record(CONFIG, {**fields, "run-key": run_key},
+                                                  {ARRAYS: packed[:-8]}))
+        _refused(reply, BAD_REQUEST, "arrays")
+    assert time.thread_time() - cpu < 100.0  # ~0.8 s each when a plan was calibrated first
+    assert attacker.ledger_path.read_bytes() == before
+    assert list(attacker.ledger().meta["runs"]) == ["11"]
+
+
+@pytest.mark.parametrize("layout", ["renamed", "transposed", "integers", "extra"])
+def test_named_arrays_of_another_layout_are_refused_by_name(tmp_path, layout,
+                                                             server_task_identity):
+    attacker = Attacker(tmp_path)
+    state = {k: v.numpy() for k, v in attacker.model.to_torch_state_dict().items()}
+    names = list(state)
+    if layout == "renamed":
+        state = {f"x.{name}": value for name, value in state.items()}
+    elif layout == "transposed":
+        state[names[0]] = state[names[0]].T.copy()
+    elif layout == "integers":
+        state[names[0]] = state[names[0]].astype(np.int32)
+    else:
+        state["extra.weight"] = np.zeros(3, np.float32)
+    record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in state.items()})
+    fields = {"server-round": 1, "stage": "train", "cluster": 0, "round-batch": "full",
+              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    content = one_record(CONFIG, fields)
+    content[ARRAYS] = record
+    _refused(attacker.send("train", content), BAD_REQUEST, "model 'arrays'")
+    assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+
+
+# --- what leaves a silo: timing only on the silo's opt-in -------------------------------------
+def test_cpu_seconds_leave_a_deployed_silo_only_on_its_opt_in(tmp_path, server_task_identity):
+    default = Attacker(tmp_path / "default")
+    assert "cpu-seconds" not in metrics_of(default.train(1, cluster=-2))
+    opted = Attacker(tmp_path / "opted", _node_config(tmp_path / "opted",
+                                                      **{"report-cpu-seconds": True}))
+    assert metrics_of(opted.train(1, cluster=-2))["cpu-seconds"] > 0
