@@ -207,6 +207,9 @@ def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel
     batch = silo.own_batch(request.batch, proposed)
     silo.check_work(schedule, batch)
     selecting = request.cluster == SELECT
+    if selecting and request.select_ratio <= 0 and request.privatiser == "dpsgd":
+        raise BadRequest("train message: a selection round (cluster = -1) needs "
+                         "'select-ratio' > 0, the budget share of its private selection")
     candidates = (_candidates(records, silo) if selecting
                   else [_received_or_own(records, context, silo)])
     if request.privatiser == "dprivacy":

@@ -101,6 +101,8 @@ def _clipped_sum(
 ) -> list[torch.Tensor]:
     """Sum over the batch of per-sample gradients clipped to ``clip_norm``, chunk by chunk
     (gradient accumulation: memory is bounded by the chunk, not by the batch)."""
+    if x.shape[0] == 0:  # Poisson sampling may draw no record: the step is noise alone
+        return [torch.zeros_like(p) for p in params]
     if x.shape[0] <= chunk:  # the common Poisson step: one chunk, nothing to accumulate
         return engine.clipped_sum(x, y, clip_norm)
     total = [torch.zeros_like(p) for p in params]

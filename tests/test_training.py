@@ -161,3 +161,14 @@ def test_full_batch_round_memory_does_not_grow_with_n():
     assert growth[8_000] - growth[1_000] < 16 * 1024, growth  # < 16 MiB apart
     per_sample_grads_if_materialised = 8_000 * 28_938 * 4 / 1024
     assert np.max(list(growth.values())) < per_sample_grads_if_materialised / 4
+
+
+def test_a_poisson_step_that_draws_no_record_is_noise_alone():
+    """At rate 1/N a step draws no record with probability ~1/e; it must add noise only (a
+    message at batch 1 once failed with 'groups=0' in the per-sample convolution)."""
+    torch.manual_seed(0)
+    model = build_model("cnn", seed=0)
+    x, y = torch.randn(3, 1, 28, 28), torch.randint(0, 10, (3,))
+    result = train_dp(model, x, y, DPSGDConfig(1.0, 1.0, 0.01, 1, epochs=8), seed=1)
+    assert result.steps == 24  # P(no step draws nothing) = (1 - (2/3)^3)^24 = 2e-4
+    assert all(torch.isfinite(u).all() for u in result.update.values())
