@@ -30,6 +30,9 @@ data-draw = "authors"
 data-seed = 0
 metrics = "private"                         # what it reports: noised and charged
 metrics-noise = 10.0
+report-cpu-seconds = false                  # timing follows the Poisson sample: opt-in only
+max-candidates = 16                         # what one message may make it do (refused beyond)
+max-round-steps = 10000
 threads = 1
 device = "cpu"
 ```
