@@ -373,6 +373,13 @@ def test_two_processes_cannot_both_spend_the_last_of_the_budget(tmp_path):
 
 
 # --- the server chooses the weights: the NaN canary on every handler path ----------------------
+def _fields(server_round: int, cluster: int, batch: str, **extra: Any) -> dict[str, Any]:
+    """The config fields of a train message of the schedule, models aside."""
+    return {"server-round": server_round, "stage": "train", "cluster": cluster,
+            "round-batch": batch, "learning-rate": 0.05, "clip-norm": 1.0, **_schedule(),
+            **extra}
+
+
 def _silo_records(attacker: Attacker, split: str) -> torch.Tensor:
     """The deployed silo's records of ``split`` (the attacker's target is one of them)."""
     silo = Silo(parse_node_config(attacker.context.node_config),
@@ -409,7 +416,6 @@ def _canary_replies(tmp_path: Path, path: str, fire: bool) -> list[Message]:
     attacker = Attacker(tmp_path, node)
     poisoned = _poisoned_state(attacker, fire, "test" if path == "evaluate" else "train")
     packed = pack_state(poisoned.to_torch_state_dict())
-    train = {"stage": "train", "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
     if path == "evaluate":
         attacker.model = poisoned
         return [attacker.evaluate() for _ in range(3)]
@@ -421,12 +427,11 @@ def _canary_replies(tmp_path: Path, path: str, fire: bool) -> list[Message]:
         attacker.model = poisoned
         return [attacker.train(2, **{"round-batch": str(N - 1)})]
     if path == "selection":
-        fields = {**train, "server-round": 2, "cluster": SELECT, "round-batch": str(N - 1)}
+        fields = _fields(2, SELECT, str(N - 1))
         return [attacker.send("train", one_record(CONFIG, fields, {
             cluster_key(0): packed, cluster_key(1): packed}))]
     assert path == "prox"  # MR-MTL: the anchor of the proximal term is poisoned as well
-    fields = {**train, "server-round": 2, "cluster": 0, "round-batch": "full",
-              "prox-lambda": 0.5}
+    fields = _fields(2, 0, "full", **{"prox-lambda": 0.5})
     return [attacker.send("train", one_record(CONFIG, fields, {ARRAYS: packed,
                                                                ANCHOR: packed}))]
 
@@ -466,14 +471,19 @@ def test_a_full_batch_round_with_the_canary_is_finite(tmp_path, server_task_iden
 
 
 # --- the work one message causes is bounded ----------------------------------------------------
-def test_ten_thousand_candidates_are_refused_before_any_is_read(tmp_path,
-                                                                 server_task_identity):
+def _after_round_one(tmp_path: Path) -> tuple[Attacker, bytes, bytes]:
+    """A silo that trained round 1, its ledger's bytes, and the model packed."""
     attacker = Attacker(tmp_path)
     attacker.train(1, cluster=-2)
-    before = attacker.ledger_path.read_bytes()
     packed = pack_state(attacker.model.to_torch_state_dict())
-    fields = {"server-round": 2, "stage": "train", "cluster": SELECT, "round-batch": "32",
-              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    assert isinstance(packed, bytes)
+    return attacker, attacker.ledger_path.read_bytes(), packed
+
+
+def test_ten_thousand_candidates_are_refused_before_any_is_read(tmp_path,
+                                                                 server_task_identity):
+    attacker, before, packed = _after_round_one(tmp_path)
+    fields = _fields(2, SELECT, "32")
     message = one_record(CONFIG, fields, {cluster_key(m): packed for m in range(10_000)})
     tracemalloc.start()
     cpu = time.thread_time()
@@ -488,14 +498,10 @@ def test_ten_thousand_candidates_are_refused_before_any_is_read(tmp_path,
 
 def test_one_malformed_candidate_is_refused_before_any_is_scored(tmp_path,
                                                                   server_task_identity):
-    attacker = Attacker(tmp_path)
-    attacker.train(1, cluster=-2)
-    before = attacker.ledger_path.read_bytes()
-    packed = pack_state(attacker.model.to_torch_state_dict())
+    attacker, before, packed = _after_round_one(tmp_path)
     models = {cluster_key(m): packed for m in range(16)}
     models[cluster_key(15)] = packed[:-4]
-    fields = {"server-round": 2, "stage": "train", "cluster": SELECT, "round-batch": "32",
-              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    fields = _fields(2, SELECT, "32")
     _refused(attacker.send("train", one_record(CONFIG, fields, models)), BAD_REQUEST,
              "cluster-15")
     assert attacker.ledger_path.read_bytes() == before
@@ -530,12 +536,8 @@ def test_a_round_beyond_the_silo_step_limit_is_refused(tmp_path, server_task_ide
 def test_refused_messages_store_no_plan(tmp_path, server_task_identity):
     """200 messages under fresh run keys, each with a malformed model: nothing calibrated,
     nothing stored, the ledger's bytes unchanged."""
-    attacker = Attacker(tmp_path)
-    attacker.train(1, cluster=-2)
-    before = attacker.ledger_path.read_bytes()
-    packed = pack_state(attacker.model.to_torch_state_dict())
-    fields = {"server-round": 1, "stage": "train", "cluster": 0, "round-batch": "full",
-              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    attacker, before, packed = _after_round_one(tmp_path)
+    fields = _fields(1, 0, "full")
     cpu = time.thread_time()
     for run_key in range(1000, 1200):
         reply = attacker.send("train", one_record(CONFIG, {**fields, "run-key": run_key},
@@ -561,8 +563,7 @@ def test_named_arrays_of_another_layout_are_refused_by_name(tmp_path, layout,
     else:
         state["extra.weight"] = np.zeros(3, np.float32)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in state.items()})
-    fields = {"server-round": 1, "stage": "train", "cluster": 0, "round-batch": "full",
-              "learning-rate": 0.05, "clip-norm": 1.0, **_schedule()}
+    fields = _fields(1, 0, "full")
     content = one_record(CONFIG, fields)
     content[ARRAYS] = record
     _refused(attacker.send("train", content), BAD_REQUEST, "model 'arrays'")
