@@ -210,6 +210,7 @@ def test_a_pld_silo_plans_records_its_accountant_and_refuses(experiment):
     schedule = Schedule(3, 1, 16, "full", 1, 0.03, "classic", "joint")
     plan = silo.plan(schedule)
     assert plan.accountant == "pld"
+    silo.charge([silo.round_cost(plan, "full", 1, 1)])  # the plan is kept with the charge
     assert silo.ledger.meta["runs"]["7"]["accountant"] == "pld"
     with pytest.raises(BudgetExceeded, match="refuses round 2"):
         silo.check([GaussianSteps(plan.noise_multiplier, 1.0, 20, round=2)], 2)
