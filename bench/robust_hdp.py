@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
-from dpcfl_flwr.paper_budgets import DISTRIBUTIONS  # noqa: E402
+from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 
 OUT = REPO / "results" / "robust-hdp"
 RULES = ("samples", "weiavg", "pfa", "min-eps", "robust-hdp", "oracle-variance")

@@ -1,7 +1,7 @@
 """The ClientApp: a silo's ``query``, ``train`` and ``evaluate`` handlers (thin Flower glue).
 
-Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo`. Every field of a message is
-validated first (:mod:`dpcfl_flwr.requests`; a bad one is answered with an Error carrying
+Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo.silo`. Every field of a message is
+validated first (:mod:`dpcfl_flwr.silo.requests`; a bad one is answered with an Error carrying
 :data:`~dpcfl_flwr.protocol.BAD_REQUEST`, nothing charged); the budget check, the work and the
 charge run under the ledger's lock, and the ledger is on the silo's disk before a reply
 leaves; a round that would overspend is answered with an Error carrying
@@ -20,8 +20,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from .config import ConfigError, parse_node_config, parse_run_config
+from .config.settings import ConfigError, parse_node_config, parse_run_config
 from .data import DataError
+from .dpsgd.training import DPSGDConfig
 from .privacy import GaussianSteps, Selection
 from .protocol import (
     ANCHOR,
@@ -44,11 +45,10 @@ from .protocol import (
     reply,
     unpack_state,
 )
-from .requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
-from .silo import BudgetExceeded, Schedule, Silo
-from .silo_dprivacy import check_privatiser, released_round
-from .silo_model import evaluated_metadata, keep_evaluated_model
-from .training import DPSGDConfig
+from .silo.dprivacy import check_privatiser, released_round
+from .silo.kept_model import evaluated_metadata, keep_evaluated_model
+from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
+from .silo.silo import BudgetExceeded, Schedule, Silo
 
 logger = logging.getLogger(__name__)
 

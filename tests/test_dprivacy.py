@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from dpcfl_flwr.dprivacy_synthetic import (
+from bench.regression_mixture import (
     ALGORITHMS,
     OPTIMA,
     SyntheticSetup,

@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import PLDAccountant
 
-from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.privacy import (
     GaussianSteps,
     PrivacyBudget,
@@ -26,7 +26,7 @@ from dpcfl_flwr.privacy import (
 from dpcfl_flwr.privacy import pld as pld_module
 from dpcfl_flwr.privacy.calibration import schedule_epsilon
 from dpcfl_flwr.privacy.schedule import GaussianPhase, steps_per_round
-from dpcfl_flwr.silo import BudgetExceeded, Silo
+from dpcfl_flwr.silo.silo import BudgetExceeded, Silo
 
 DELTA = 1e-4
 

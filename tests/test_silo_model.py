@@ -14,15 +14,15 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
+from dpcfl_flwr.dpsgd.training import evaluate
 from dpcfl_flwr.methods.base import INITIAL, ServerState
 from dpcfl_flwr.methods.rdpcfl import RDPCFL
 from dpcfl_flwr.protocol import ARRAYS, CONFIG, METRICS, OWN, OWN_MODEL
+from dpcfl_flwr.runs.simulation import run_simulation
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Silo
-from dpcfl_flwr.silo_model import load_silo_model, model_files, model_path, read_metadata
-from dpcfl_flwr.simulation import run_simulation
-from dpcfl_flwr.training import evaluate
+from dpcfl_flwr.silo.kept_model import load_silo_model, model_files, model_path, read_metadata
+from dpcfl_flwr.silo.silo import Silo
 
 ROUNDS = 4
 

@@ -8,9 +8,9 @@ The canaries are gradient canaries (:mod:`.canaries`): the white-box setting, th
 one-run audit and the cheapest, since a canary costs one vector entry per step, no forward or
 backward pass.
 
-What is audited is our training path itself: :func:`dpcfl_flwr.training.train_dp`, round after
+What is audited is our training path itself: :func:`dpcfl_flwr.dpsgd.training.train_dp`, round after
 round, with its Poisson sampling, per-sample clipping and noise at the silo's z; the canaries
-enter through its :class:`~dpcfl_flwr.training.AuditHook`, summed with the batch's clipped
+enter through its :class:`~dpcfl_flwr.dpsgd.training.AuditHook`, summed with the batch's clipped
 gradients before the noise. The claimed epsilon is what our accountant charges for exactly the
 steps the run took (the ledger entries train_dp returned). ``noiseless`` switches the noise
 off while the claim stays that of z: a broken privatiser the audit must catch.
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..dpsgd.training import AuditHook, DPSGDConfig, round_cost, train_dp
 from ..privacy.calibration import calibrate_noise_multiplier
 from ..privacy.pld import Accountant, accounted_epsilon, calibrate_noise_multiplier_pld
 from ..privacy.schedule import GaussianPhase
-from ..training import AuditHook, DPSGDConfig, round_cost, train_dp
 from .bound import audit_bound
 from .canaries import DiracCanaries, flat_parameters, guess_membership
 

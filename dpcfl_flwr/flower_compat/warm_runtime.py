@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import require_pin
+from .gate import require_pin
 
 require_pin(__name__)  # the gate runs before the internal imports below
 

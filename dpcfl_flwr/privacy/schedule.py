@@ -18,7 +18,7 @@ import numpy as np
 from .rdp import DEFAULT_ORDERS, sgm_rdp
 
 if TYPE_CHECKING:
-    from ..requests import TrainRequest
+    from ..silo.requests import TrainRequest
 
 FULL_BATCH = "full"
 

@@ -18,12 +18,12 @@ import math
 import numpy as np
 import torch
 
-from .privacy.dprivacy import sanitize_update
-from .privacy.ledger import DPrivacyRelease
-from .privacy.metrics import LOSS_BOUND
+from ..dpsgd.training import evaluation_sums, train_sgd
+from ..privacy.dprivacy import sanitize_update
+from ..privacy.ledger import DPrivacyRelease
+from ..privacy.metrics import LOSS_BOUND
 from .requests import BadRequest, TrainRequest
 from .silo import BudgetExceeded, Schedule, Silo
-from .training import evaluation_sums, train_sgd
 
 logger = logging.getLogger(__name__)
 

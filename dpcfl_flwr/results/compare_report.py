@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .compare import AXIS_KEY, GridRun, discovers_clusters, variant
+from ..runs.compare import AXIS_KEY, GridRun, discovers_clusters, variant
 
 
 @dataclass

@@ -22,10 +22,19 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .config import ExperimentConfig, SiloConfig
-from .data import ClientData, DataError, load_dataset, make_client_data
-from .models import build_model
-from .privacy import (
+from ..config.settings import ExperimentConfig, SiloConfig
+from ..data import ClientData, DataError, load_dataset, make_client_data
+from ..dpsgd.training import (
+    DPSGDConfig,
+    configure_threads,
+    evaluate,
+    evaluation_sums,
+    round_cost,
+    secure_generator,
+    train_dp,
+)
+from ..models import build_model
+from ..privacy import (
     GaussianPhase,
     GaussianSteps,
     PrivacyBudget,
@@ -43,18 +52,9 @@ from .privacy import (
     selection_rdp,
     two_stage_schedule,
 )
-from .privacy.ledger import Entry
-from .privacy.metrics import LOSS_BOUND
+from ..privacy.ledger import Entry
+from ..privacy.metrics import LOSS_BOUND
 from .requests import BadRequest
-from .training import (
-    DPSGDConfig,
-    configure_threads,
-    evaluate,
-    evaluation_sums,
-    round_cost,
-    secure_generator,
-    train_dp,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .privacy import GaussianPhase, NoisePlan, accounted_epsilon, plan_noise
-from .privacy.budget import BudgetMode
-from .privacy.rdp import Conversion
+from ..privacy import GaussianPhase, NoisePlan, accounted_epsilon, plan_noise
+from ..privacy.budget import BudgetMode
+from ..privacy.rdp import Conversion
 
 
 def plan_dict(plan: NoisePlan) -> dict[str, Any]:

@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from sklearn.metrics import adjusted_rand_score
 
-from .clustering import UpdateClusterer, switch_round
-from .clustering.round_one import round_one_updates
-from .data import Topology, load_dataset, make_client_data
-from .privacy import plan_noise, two_stage_schedule
-from .report import plot_projection, write_json_atomic
-from .training import DPSGDConfig
+from ..clustering import UpdateClusterer, switch_round
+from ..clustering.round_one import round_one_updates
+from ..data import Topology, load_dataset, make_client_data
+from ..dpsgd.training import DPSGDConfig
+from ..privacy import plan_noise, two_stage_schedule
+from ..results.report import plot_projection, write_json_atomic
 
 
 @dataclass(frozen=True)

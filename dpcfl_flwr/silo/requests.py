@@ -14,8 +14,8 @@ from typing import Any, Literal
 from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from .protocol import CONFIG, OWN
-from .validation import ConfigError, ConfigModel, one_line_error
+from ..config.validation import ConfigError, ConfigModel, one_line_error
+from ..protocol import CONFIG, OWN
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
 MAX_ROUNDS = 100_000
@@ -53,7 +53,7 @@ class TrainRequest(_Request):
     # what the silo keys its noise plan by (the same across a resumed run's Flower runs); 0:
     # the Flower run id. Only which stored plan applies: spending is bounded by the ledger.
     run_key: int = Field(0, ge=0, lt=2**63)
-    # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.Schedule)
+    # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.silo.Schedule)
     rounds: int = Field(ge=1, le=MAX_ROUNDS)
     local_epochs: int = Field(ge=1, le=MAX_LOCAL_EPOCHS)
     batch_size: int = Field(ge=1)
