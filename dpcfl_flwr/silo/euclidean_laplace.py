@@ -22,19 +22,11 @@ from ..dpsgd.training import evaluation_sums, train_sgd
 from ..privacy.dprivacy import sanitize_update
 from ..privacy.ledger import DPrivacyRelease
 from ..privacy.metrics import LOSS_BOUND
-from .requests import BadRequest, TrainRequest
-from .silo import BudgetExceeded, Schedule, Silo
+from .privatiser import Privatiser, RoundOutcome, RoundWork
+from .requests import TrainRequest
+from .silo import BudgetExceeded, Silo
 
 logger = logging.getLogger(__name__)
-
-
-def check_privatiser(silo: Silo, request: TrainRequest) -> None:
-    """Refuse a run that asks this silo to privatise otherwise than its own config says: a
-    DP-SGD silo must never be talked into releasing a plainly trained model."""
-    own = silo.silo.privatiser
-    if request.privatiser != own:
-        raise BadRequest(f"train message: 'privatiser' = {request.privatiser!r}, but this "
-                         f"silo privatises with {own!r} (its own node config)")
 
 
 def model_size(state: dict[str, torch.Tensor]) -> int:
@@ -83,41 +75,47 @@ def _unflat(vector: np.ndarray, like: dict[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
-def released_round(silo: Silo, request: TrainRequest,
-                   candidates: list[dict[str, torch.Tensor]], cluster: int
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                              dict[str, float]]:
-    """Check, choose, train, sanitise and charge one round; returns (the released model minus
-    the start, the start, the reply's numbers). ``candidates``: the hypotheses received (one
-    when the server assigned ``cluster``); call under the ledger's lock."""
-    n = model_size(candidates[0])
-    leakage = planned_leakage(silo, n)
-    check_leakage(silo, leakage, request.server_round)
-    if len(candidates) > 1:
-        cluster = best_fit(silo, candidates)
-    start = candidates[0] if len(candidates) == 1 else candidates[cluster]
-    schedule = Schedule.from_request(request)
-    batch = silo.own_batch(request.batch, schedule)
-    model = silo.new_model(start)
-    seed = silo.charge_seed()
-    train_sgd(model, silo.data.x_train, silo.data.y_train, request.learning_rate,
-              silo.data.num_train if batch == "full" else batch,
-              schedule.local_epochs, seed)
-    trained, received = _flat(model.state_dict()), _flat(start)
-    # Finite per-record gradients can still overflow in the sum of many steps; the release is
-    # then the received model there, never a NaN the mechanism cannot noise.
-    trained = np.where(np.isfinite(trained), trained, received)
-    if math.isfinite(leakage):
-        sanitized = sanitize_update(trained, received, float(silo.silo.dprivacy_noise or 0.0),
-                                    np.random.default_rng(seed))
-        silo.charge([DPrivacyRelease(sanitized.epsilon, sanitized.leakage,
-                                            round=request.server_round)])
-        released = sanitized.released
-    else:
-        logger.warning("silo %d releases its trained model without noise (v = 0): no "
-                       "d-privacy guarantee", silo.silo.partition_id)
-        released = trained
-    metrics = {"num-examples": silo.data.num_train, "cluster": cluster, "selected": 0,
-               "noise-multiplier": 0.0, "dprivacy-noise": float(silo.silo.dprivacy_noise or 0),
-               "dprivacy-leakage": silo.ledger.dprivacy_leakage()}
-    return _unflat(released - received, start), start, metrics
+class EuclideanLaplace(Privatiser):
+    """d-privacy's sanitised model (paper 004, Alg. 1 and 2; docs/dprivacy.md)."""
+
+    name = "dprivacy"
+
+    def check(self, request: TrainRequest, selecting: bool) -> None:
+        """Every accepted request can be served: the choice among hypotheses is by loss and
+        costs no budget share (paper 004 leaves it unprotected)."""
+
+    def run(self, silo: Silo, request: TrainRequest, work: RoundWork) -> RoundOutcome:
+        """Check the leakage budget, choose (of several hypotheses, the best fit), train with
+        plain SGD, sanitise and charge one round."""
+        candidates, cluster = work.candidates, request.cluster
+        n = model_size(candidates[0])
+        leakage = planned_leakage(silo, n)
+        check_leakage(silo, leakage, request.server_round)
+        if len(candidates) > 1:
+            cluster = best_fit(silo, candidates)
+        start = candidates[0] if len(candidates) == 1 else candidates[cluster]
+        model = silo.new_model(start)
+        seed = silo.charge_seed()
+        train_sgd(model, silo.data.x_train, silo.data.y_train, request.learning_rate,
+                  silo.data.num_train if work.batch == "full" else work.batch,
+                  work.schedule.local_epochs, seed)
+        trained, received = _flat(model.state_dict()), _flat(start)
+        # Finite per-record gradients can still overflow in the sum of many steps; the
+        # release is then the received model there, never a NaN the mechanism cannot noise.
+        trained = np.where(np.isfinite(trained), trained, received)
+        if math.isfinite(leakage):
+            sanitized = sanitize_update(trained, received,
+                                        float(silo.silo.dprivacy_noise or 0.0),
+                                        np.random.default_rng(seed))
+            silo.charge([DPrivacyRelease(sanitized.epsilon, sanitized.leakage,
+                                         round=request.server_round)])
+            released = sanitized.released
+        else:
+            logger.warning("silo %d releases its trained model without noise (v = 0): no "
+                           "d-privacy guarantee", silo.silo.partition_id)
+            released = trained
+        metrics = {"num-examples": silo.data.num_train, "cluster": cluster, "selected": 0,
+                   "noise-multiplier": 0.0,
+                   "dprivacy-noise": float(silo.silo.dprivacy_noise or 0),
+                   "dprivacy-leakage": silo.ledger.dprivacy_leakage()}
+        return RoundOutcome(_unflat(released - received, start), start, metrics)
