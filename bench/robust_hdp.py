@@ -1,4 +1,4 @@
-"""Robust-HDP's study at CPU scale on real Fashion-MNIST (issue 28; docs/aggregation.md).
+"""Robust-HDP's study at CPU scale on real Fashion-MNIST (docs/aggregation.md).
 
 Four parts, each a ``dpcfl compare`` grid whose finished cells are kept, so the study can be
 stopped at any time and continued by running this again:

@@ -1,4 +1,4 @@
-"""The silo owns its result (issue 27, item 2): at every evaluation it writes the model it would
+"""The silo owns its result: at every evaluation it writes the model it would
 use beside its ledger, marks the run's last one final, and the file loads into a model whose
 accuracy on the silo's test split is the one reported."""
 

@@ -1,6 +1,6 @@
 """One audit run: a silo's DP-SGD with gradient canaries, the membership test, the bound.
 
-Design (issue 30 item 3; docs/privacy.md#auditing-the-guarantee). We use the one-run audit
+Design (docs/privacy.md#auditing-the-guarantee). We use the one-run audit
 of Steinke, Nasr & Jagielski (2023) rather than many runs with Clopper-Pearson bounds on
 TPR / FPR: one training run gives m independent membership trials at once, where the classic
 audit needs hundreds of runs for the same statistical strength, which a CPU cannot afford.
