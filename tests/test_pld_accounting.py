@@ -72,8 +72,8 @@ def test_one_selection_is_the_randomized_response_bound():
 
 
 def test_published_full_batch_example():
-    # a published reference: sigma = 5 over 100 full-batch steps at delta 1e-5: 10.00 by PLD, 10.73 by RDP
-    # (Balle et al.'s conversion, the tight one)
+    # a published reference: sigma = 5 over 100 full-batch steps at delta 1e-5: 10.00 by
+    # PLD, 10.73 by RDP (Balle et al.'s conversion, the tight one)
     assert pld_epsilon([(5.0, 1.0, 100)], [], 1e-5) == pytest.approx(10.00, abs=0.01)
     rdp = schedule_epsilon([GaussianPhase(1.0, 100)], 5.0, 1e-5, "tight")
     assert rdp == pytest.approx(10.73, abs=0.01)
