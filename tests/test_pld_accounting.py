@@ -13,11 +13,12 @@ from dp_accounting.pld import PLDAccountant
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.privacy import (
     GaussianSteps,
+    History,
     PrivacyBudget,
     PrivacyLedger,
     Schedule,
     Selection,
-    accounted_epsilon,
+    accountant_named,
     plan_noise,
     pld_epsilon,
     single_stage_schedule,
@@ -27,6 +28,13 @@ from dpcfl_flwr.privacy import pld as pld_module
 from dpcfl_flwr.privacy.calibration import schedule_epsilon
 from dpcfl_flwr.privacy.schedule import GaussianPhase, steps_per_round
 from dpcfl_flwr.silo.silo import BudgetExceeded, Silo
+
+
+def accounted_epsilon(runs, selections, delta, accountant, conversion="classic"):
+    """The whole history's epsilon by the accountant ``accountant``."""
+    return accountant_named(accountant).epsilon(History(tuple(runs), tuple(selections)),
+                                                delta, conversion)
+
 
 DELTA = 1e-4
 
@@ -210,6 +218,7 @@ def test_a_pld_silo_plans_records_its_accountant_and_refuses(experiment):
     schedule = Schedule(3, 1, 16, "full", 1, 0.03, "classic", "joint")
     plan = silo.plan(schedule)
     assert plan.accountant == "pld"
+    silo.charge([silo.round_cost(plan, "full", 1, 1)])  # the plan is kept with the charge
     assert silo.ledger.meta["runs"]["7"]["accountant"] == "pld"
     with pytest.raises(BudgetExceeded, match="refuses round 2"):
         silo.check([GaussianSteps(plan.noise_multiplier, 1.0, 20, round=2)], 2)

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ..dpsgd.training import AuditHook, DPSGDConfig, round_cost, train_dp
-from ..privacy.calibration import calibrate_noise_multiplier
-from ..privacy.pld import Accountant, accounted_epsilon, calibrate_noise_multiplier_pld
+from ..privacy.accountants import AccountantName, accountant_named
+from ..privacy.history import History
 from ..privacy.schedule import GaussianPhase
 from .bound import audit_bound
 from .canaries import DiracCanaries, flat_parameters, guess_membership
@@ -57,7 +57,7 @@ class AuditSettings:
     guesses: int | None = None
     confidence: float = 0.95
     delta: float = 1e-5
-    accountant: Accountant = "pld"
+    accountant: AccountantName = "pld"
     noiseless: bool = False
 
     def __post_init__(self) -> None:
@@ -108,9 +108,8 @@ def noise_for_epsilon(records: int, settings: AuditSettings, target_epsilon: flo
     rate b / N) spends ``target_epsilon`` at the settings' delta, by its accountant."""
     cost = round_cost(records, settings.batch_size, settings.epochs, 1.0)
     phases = [GaussianPhase(cost.sample_rate, cost.steps * settings.rounds)]
-    if settings.accountant == "pld":
-        return calibrate_noise_multiplier_pld(phases, target_epsilon, settings.delta)
-    return calibrate_noise_multiplier(phases, target_epsilon, settings.delta)
+    return accountant_named(settings.accountant).calibrate(phases, target_epsilon,
+                                                           settings.delta)
 
 
 def run_audit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: AuditSettings,
@@ -138,7 +137,8 @@ def run_audit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Audi
     scores = canaries.scores(start, flat_parameters(model))
     each = settings.guesses_each
     guesses = guess_membership(scores, canaries.included, each, each)
-    claimed = accounted_epsilon(runs, [], settings.delta, settings.accountant)
+    claimed = accountant_named(settings.accountant).epsilon(History(tuple(runs)),
+                                                            settings.delta)
     bound = audit_bound(canaries.count, guesses.made, guesses.correct, settings.delta,
                         settings.confidence)
     return AuditResult(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ..data import Topology
+from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
 from .validation import ConfigError, ConfigModel, kebab, one_line_error
@@ -305,7 +306,8 @@ class SiloConfig(ConfigModel):
                 experiment.params))
         source.setdefault("privatiser", "dpsgd")
         source.setdefault("report_cpu_seconds", trust_run_config)
-        source.setdefault("accountant", experiment.accountant if trust_run_config else "rdp")
+        source.setdefault("accountant", experiment.accountant if trust_run_config
+                          else DEFAULT_ACCOUNTANT)
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
         if resolved.privatiser == "dprivacy":

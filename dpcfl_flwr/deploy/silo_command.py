@@ -15,6 +15,7 @@ from .. import app_pin
 from ..config.settings import ConfigError, SiloConfig
 from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
 from ..flower_compat.environment import use_this_environment
+from ..privacy.history import DEFAULT_ACCOUNTANT
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .supervision import (
     console,
@@ -198,7 +199,7 @@ def _spent_so_far(node: SiloConfig) -> str:
     if not ledger.entries:
         return "new: nothing spent yet"
     spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta,
-                                       accountant=node.accountant or "rdp"))
+                                       accountant=node.accountant or DEFAULT_ACCOUNTANT))
     return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
             f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 

@@ -1,6 +1,13 @@
 """Privacy accounting: SGM RDP, PLD (dp-accounting), calibration, budget split, exponential
 mechanism, ledger; the Euclidean Laplace mechanism (d-privacy) on released models."""
 
+from .accountants import (
+    ACCOUNTANTS,
+    DEFAULT_ACCOUNTANT,
+    Accountant,
+    AccountantName,
+    accountant_named,
+)
 from .budget import BudgetMode, BudgetSplit, NoisePlan, plan_noise, split_budget
 from .calibration import calibrate_noise_multiplier, schedule_epsilon
 from .dprivacy import (
@@ -9,6 +16,7 @@ from .dprivacy import (
     euclidean_laplace_log_density,
     sanitize_update,
 )
+from .history import History
 from .ledger import (
     DPrivacyRelease,
     GaussianSteps,
@@ -18,13 +26,7 @@ from .ledger import (
     ledger_lock,
 )
 from .metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
-from .pld import (
-    ACCOUNTANTS,
-    Accountant,
-    accounted_epsilon,
-    calibrate_noise_multiplier_pld,
-    pld_epsilon,
-)
+from .pld import pld_epsilon
 from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
 from .schedule import (
     FULL_BATCH,
@@ -43,8 +45,8 @@ from .selection import (
 )
 
 __all__ = [
-    "ACCOUNTANTS", "Accountant", "accounted_epsilon", "calibrate_noise_multiplier_pld",
-    "pld_epsilon",
+    "ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "Accountant", "AccountantName", "History",
+    "accountant_named", "pld_epsilon",
     "DEFAULT_ORDERS", "FULL_BATCH", "BudgetMode", "BudgetSplit", "Conversion", "DPrivacyRelease",
     "GaussianPhase", "LOSS_BOUND", "GaussianSteps", "NoisePlan", "PrivacyBudget", "PrivacyLedger",
     "Sanitized", "Schedule", "Selection",

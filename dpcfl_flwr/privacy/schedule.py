@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .history import DEFAULT_ACCOUNTANT, AccountantName
 from .rdp import DEFAULT_ORDERS, sgm_rdp
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class Schedule:
     epsilon_target: float = 0.0
     #: the accountant the server proposes (docs/privacy.md#pld-accounting); a silo measures
     #: its spend with its own (``accountant`` in its node config)
-    accountant: Literal["rdp", "pld"] = "rdp"
+    accountant: AccountantName = DEFAULT_ACCOUNTANT
 
     def to_config(self) -> dict[str, Any]:
         config = {
@@ -130,7 +131,7 @@ class Schedule:
         }
         if self.epsilon_target > 0:  # absent otherwise: runs planned before it keep their key
             config["epsilon-target"] = self.epsilon_target
-        if self.accountant != "rdp":  # the same: rdp runs keep the key they were planned by
+        if self.accountant != DEFAULT_ACCOUNTANT:  # default runs keep their planned key
             config["accountant"] = self.accountant
         return config
 
