@@ -296,8 +296,6 @@ def compare(
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
     write summary.md / summary.csv / comparison.png in the paper's form."""
     from .config.config_file import parse_override
-    from .results.compare_report import collect as collect_cells
-    from .results.compare_report import write_reports
     from .runs.compare import (
         apply_overrides,
         load_grid_config,
@@ -306,6 +304,8 @@ def compare(
         run_grid,
         variants,
     )
+    from .runs.compare_report import collect as collect_cells
+    from .runs.compare_report import write_reports
 
     try:
         method_list = [m.strip() for m in methods.split(",") if m.strip()]

@@ -19,10 +19,10 @@ from dpcfl_flwr.clustering import (
     separation_scores,
     switch_round,
 )
-from dpcfl_flwr.clustering.round_one import round_one_updates
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data
 from dpcfl_flwr.dpsgd.training import DPSGDConfig
 from dpcfl_flwr.privacy import plan_noise, two_stage_schedule
+from dpcfl_flwr.runs.round_one import round_one_updates
 
 
 def _mixture(sizes, p, spread, noise, seed=0):

@@ -14,12 +14,6 @@ from typer.testing import CliRunner
 
 from dpcfl_flwr.cli import app
 from dpcfl_flwr.config.settings import ConfigError
-from dpcfl_flwr.results.compare_report import (
-    collect,
-    mean_noise_level,
-    mean_oracle_ratio,
-    write_reports,
-)
 from dpcfl_flwr.runs import compare
 from dpcfl_flwr.runs.compare import (
     GridRun,
@@ -28,6 +22,12 @@ from dpcfl_flwr.runs.compare import (
     run_config,
     run_grid,
     variants,
+)
+from dpcfl_flwr.runs.compare_report import (
+    collect,
+    mean_noise_level,
+    mean_oracle_ratio,
+    write_reports,
 )
 from dpcfl_flwr.runs.progress import silo_table
 

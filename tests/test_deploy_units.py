@@ -20,7 +20,6 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from dpcfl_flwr.config.settings import ConfigError, parse_node_config
 from dpcfl_flwr.deploy.certs import make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
-from dpcfl_flwr.deploy.processes import descendants, exit_code_of
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
     deployed_settings,
@@ -29,6 +28,7 @@ from dpcfl_flwr.deploy.silo_file import (
     supernode_command,
 )
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
+from dpcfl_flwr.runs.processes import descendants, exit_code_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from .history import DEFAULT_ACCOUNTANT, AccountantName
 from .rdp import DEFAULT_ORDERS, sgm_rdp
-
-if TYPE_CHECKING:
-    from ..silo.requests import TrainRequest
 
 FULL_BATCH = "full"
 
@@ -134,14 +131,6 @@ class Schedule:
         if self.accountant != DEFAULT_ACCOUNTANT:  # default runs keep their planned key
             config["accountant"] = self.accountant
         return config
-
-    @classmethod
-    def from_request(cls, request: TrainRequest) -> Schedule:
-        first = request.first_batch
-        return cls(request.rounds, request.local_epochs, request.batch_size,
-                   "full" if first == "full" else int(first), request.select_rounds,
-                   request.select_ratio, request.conversion, request.budget_mode,
-                   request.evaluations, request.epsilon_target, request.accountant)
 
     def key(self) -> str:
         return repr(sorted(self.to_config().items()))

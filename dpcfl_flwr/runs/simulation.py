@@ -26,14 +26,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import app_pin
 from ..config.config_file import load_config, toml_value
 from ..config.settings import ExperimentConfig, parse_run_config
-from ..deploy.processes import descendants
 from ..flower_compat import run_simulation as run_in_engine
 from ..flower_compat import signals_left_to_caller
+from .processes import descendants
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
-CLIENT_APP = "dpcfl_flwr.client_app:app"
+CLIENT_APP = app_pin.CLIENTAPP
 
 logger = logging.getLogger(__name__)
 

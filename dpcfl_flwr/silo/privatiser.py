@@ -57,14 +57,3 @@ class Privatiser(ABC):
     def run(self, silo: Silo, request: TrainRequest, work: RoundWork) -> RoundOutcome:
         """Check the budget, train, privatise and charge one accepted round (under the
         ledger's lock); BudgetExceeded when it would overspend."""
-
-
-def privatiser_named(name: str) -> Privatiser:
-    """The built-in privatiser ``name`` (``dpsgd`` or ``dprivacy``)."""
-    from .euclidean_laplace import EuclideanLaplace
-    from .gaussian import GaussianDPSGD
-
-    known: dict[str, Privatiser] = {p.name: p for p in (GaussianDPSGD(), EuclideanLaplace())}
-    if name not in known:
-        raise ValueError(f"no privatiser {name!r}; choose from {', '.join(known)}")
-    return known[name]

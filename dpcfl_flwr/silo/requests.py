@@ -15,6 +15,7 @@ from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from ..config.validation import ConfigError, ConfigModel, one_line_error
+from ..privacy.schedule import Schedule
 from ..protocol import CONFIG, OWN
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
@@ -79,6 +80,15 @@ class TrainRequest(_Request):
     @property
     def batch(self) -> int | Literal["full"]:
         return "full" if self.round_batch == "full" else int(self.round_batch)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The whole DP schedule the message proposes (the silo calibrates its noise for it)."""
+        first = self.first_batch
+        return Schedule(self.rounds, self.local_epochs, self.batch_size,
+                        "full" if first == "full" else int(first), self.select_rounds,
+                        self.select_ratio, self.conversion, self.budget_mode, self.evaluations,
+                        self.epsilon_target, self.accountant)
 
 
 class EvaluateRequest(_Request):

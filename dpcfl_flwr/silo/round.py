@@ -13,11 +13,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..protocol import ANCHOR, SELECT, WireModel
+from .euclidean_laplace import EuclideanLaplace
+from .gaussian import GaussianDPSGD
 from .kept_model import evaluated_metadata, keep_evaluated_model
-from .privatiser import RoundOutcome, RoundWork, privatiser_named
+from .privatiser import Privatiser, RoundOutcome, RoundWork
 from .received import received_model, selection_candidates, start_model
 from .requests import BadRequest, EvaluateRequest, TrainRequest
-from .silo import Schedule, Silo
+from .silo import Silo
+
+#: The built-in privatisers by the name a silo's node config gives (``privatiser``).
+PRIVATISERS: dict[str, Privatiser] = {p.name: p for p in (GaussianDPSGD(), EuclideanLaplace())}
 
 
 def train_round(silo: Silo, request: TrainRequest, models: Mapping[str, WireModel]
@@ -28,8 +33,8 @@ def train_round(silo: Silo, request: TrainRequest, models: Mapping[str, WireMode
     if request.privatiser != own:  # a DP-SGD silo never releases a plainly trained model
         raise BadRequest(f"train message: 'privatiser' = {request.privatiser!r}, but this "
                          f"silo privatises with {own!r} (its own node config)")
-    privatiser = privatiser_named(own)
-    proposed = Schedule.from_request(request)
+    privatiser = PRIVATISERS[own]
+    proposed = request.schedule
     schedule = silo.own_schedule(proposed)
     batch = silo.own_batch(request.batch, proposed)
     silo.check_work(schedule, batch)
