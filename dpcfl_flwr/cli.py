@@ -18,8 +18,8 @@ from typer.core import TyperCommand
 from .attacks.command import attack_app
 from .audit.command import audit
 from .data import DataError
-from .privacy import plan_noise, two_stage_schedule
-from .privacy.schedule import FULL_BATCH
+from .privacy.budget import plan_noise
+from .privacy.schedule import FULL_BATCH, two_stage_schedule
 from .results.privacy_report import (
     compare_accountants,
     plan_dict,

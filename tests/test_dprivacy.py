@@ -19,15 +19,17 @@ from bench.regression_mixture import (
     run,
     server_update,
 )
-from dpcfl_flwr.privacy import (
+from dpcfl_flwr.privacy.dprivacy import (
+    euclidean_laplace,
+    euclidean_laplace_log_density,
+    sanitize_update,
+)
+from dpcfl_flwr.privacy.ledger import (
     DPrivacyRelease,
     GaussianSteps,
     PrivacyBudget,
     PrivacyLedger,
     Selection,
-    euclidean_laplace,
-    euclidean_laplace_log_density,
-    sanitize_update,
 )
 
 

@@ -13,7 +13,7 @@ from dpcfl_flwr.client_app import app as client_app
 from dpcfl_flwr.config.settings import ConfigError, parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import ServerState, TrainReply
 from dpcfl_flwr.methods.dprivacy import DPrivacyCFL
-from dpcfl_flwr.privacy import PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyLedger
 from dpcfl_flwr.protocol import (
     ARRAYS,
     BAD_REQUEST,

@@ -16,7 +16,7 @@ from dpcfl_flwr.config.heterogeneity import per_silo_values
 from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
 from dpcfl_flwr.config.settings import ConfigError, parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import SiloInfo
-from dpcfl_flwr.privacy import PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyLedger
 from dpcfl_flwr.protocol import CONFIG, SILO, metrics_of
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.silo.requests import TrainRequest

@@ -24,13 +24,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from dpcfl_flwr.client_app import app as client_app
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.privacy import (
-    DEFAULT_ORDERS,
-    PrivacyBudget,
-    PrivacyLedger,
-    metric_release_cost,
-    noisy_evaluation,
-)
+from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.metrics import metric_release_cost, noisy_evaluation
+from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.protocol import (
     ANCHOR,
     ARRAYS,

@@ -11,22 +11,20 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
-from dpcfl_flwr.privacy import (
-    GaussianSteps,
-    History,
-    PrivacyBudget,
-    PrivacyLedger,
+from dpcfl_flwr.privacy import pld as pld_module
+from dpcfl_flwr.privacy.accountants import accountant_named
+from dpcfl_flwr.privacy.budget import plan_noise
+from dpcfl_flwr.privacy.calibration import schedule_epsilon
+from dpcfl_flwr.privacy.history import History
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
+from dpcfl_flwr.privacy.pld import pld_epsilon
+from dpcfl_flwr.privacy.schedule import (
+    GaussianPhase,
     Schedule,
-    Selection,
-    accountant_named,
-    plan_noise,
-    pld_epsilon,
     single_stage_schedule,
+    steps_per_round,
     two_stage_schedule,
 )
-from dpcfl_flwr.privacy import pld as pld_module
-from dpcfl_flwr.privacy.calibration import schedule_epsilon
-from dpcfl_flwr.privacy.schedule import GaussianPhase, steps_per_round
 from dpcfl_flwr.silo.silo import BudgetExceeded, Silo
 
 

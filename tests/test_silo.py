@@ -12,7 +12,7 @@ from dpcfl_flwr.client_app import app as client_app
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import ServerState
 from dpcfl_flwr.methods.rdpcfl import RDPCFL
-from dpcfl_flwr.privacy import GaussianSteps, PrivacyLedger, Selection
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyLedger, Selection
 from dpcfl_flwr.protocol import (
     ARRAYS,
     BUDGET_EXCEEDED,

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..data import DataError
 from ..models import MODEL_NAMES, count_parameters
-from ..privacy import ACCOUNTANTS, AccountantName
+from ..privacy.history import ACCOUNTANTS, AccountantName
 from .run import AuditResult, AuditSettings, noise_for_epsilon, run_audit
 from .setting import SYNTHETIC, image_silo, synthetic_silo
 

@@ -189,7 +189,7 @@ def _print_models(ledger_path: str, since: float) -> None:
 
 def _spent_so_far(node: SiloConfig) -> str:
     """What the silo's ledger already holds: earlier runs' spend is not available to this one."""
-    from ..privacy import PrivacyBudget, PrivacyLedger  # noqa: PLC0415
+    from ..privacy.ledger import PrivacyBudget, PrivacyLedger
 
     assert node.epsilon is not None and node.delta is not None  # resolved
     try:

@@ -10,16 +10,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..privacy import (
-    ACCOUNTANTS,
-    GaussianPhase,
-    History,
-    NoisePlan,
-    accountant_named,
-    plan_noise,
-)
-from ..privacy.budget import BudgetMode
+from ..privacy.accountants import accountant_named
+from ..privacy.budget import BudgetMode, NoisePlan, plan_noise
+from ..privacy.history import ACCOUNTANTS, History
 from ..privacy.rdp import Conversion
+from ..privacy.schedule import GaussianPhase
 
 
 def plan_dict(plan: NoisePlan) -> dict[str, Any]:

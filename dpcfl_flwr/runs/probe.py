@@ -16,7 +16,8 @@ from sklearn.metrics import adjusted_rand_score
 from ..clustering import UpdateClusterer, switch_round
 from ..data import Topology, load_dataset, make_client_data
 from ..dpsgd.training import DPSGDConfig
-from ..privacy import plan_noise, two_stage_schedule
+from ..privacy.budget import plan_noise
+from ..privacy.schedule import two_stage_schedule
 from ..results.report import plot_projection, write_json_atomic
 from .round_one import round_one_updates
 

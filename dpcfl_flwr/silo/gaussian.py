@@ -11,7 +11,7 @@ proximal term, anchored at the model the server sent as ``anchor``, is added aft
 from __future__ import annotations
 
 from ..dpsgd.training import DPSGDConfig
-from ..privacy import GaussianSteps, Selection
+from ..privacy.ledger import GaussianSteps, Selection
 from .privatiser import Privatiser, RoundOutcome, RoundWork
 from .requests import BadRequest, TrainRequest
 from .silo import Silo

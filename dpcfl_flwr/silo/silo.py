@@ -34,24 +34,20 @@ from ..dpsgd.training import (
     train_dp,
 )
 from ..models import build_model
-from ..privacy import (
+from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
+from ..privacy.budget import plan_noise
+from ..privacy.history import History
+from ..privacy.ledger import (
+    Entry,
     GaussianSteps,
     PrivacyBudget,
     PrivacyLedger,
-    Schedule,
     Selection,
-    accuracy_sensitivity,
     ledger_lock,
-    metric_release_cost,
-    noisy_evaluation,
-    plan_noise,
-    select_cluster,
-    two_stage_schedule,
 )
-from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
-from ..privacy.history import History
-from ..privacy.ledger import Entry
-from ..privacy.metrics import LOSS_BOUND
+from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
+from ..privacy.schedule import Schedule, two_stage_schedule
+from ..privacy.selection import accuracy_sensitivity, select_cluster
 from .requests import BadRequest
 
 logger = logging.getLogger(__name__)
