@@ -22,10 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
 from dpcfl_flwr.clustering import UpdateClusterer  # noqa: E402
-from dpcfl_flwr.clustering.round_one import round_one_updates  # noqa: E402
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data  # noqa: E402
-from dpcfl_flwr.privacy import plan_noise, two_stage_schedule  # noqa: E402
-from dpcfl_flwr.training import DPSGDConfig  # noqa: E402
+from dpcfl_flwr.dpsgd.training import DPSGDConfig  # noqa: E402
+from dpcfl_flwr.privacy.budget import plan_noise
+from dpcfl_flwr.privacy.schedule import two_stage_schedule
+from dpcfl_flwr.runs.round_one import round_one_updates  # noqa: E402
 
 
 class SyntheticUpdates:

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
 from dpcfl_flwr.data import ClientData, Topology, load_dataset, make_client_data  # noqa: E402
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, configure_threads, evaluate, train_dp  # noqa: E402
 from dpcfl_flwr.models import build_model  # noqa: E402
-from dpcfl_flwr.privacy import calibrate_noise_multiplier  # noqa: E402
+from dpcfl_flwr.privacy.calibration import calibrate_noise_multiplier
 from dpcfl_flwr.privacy.schedule import single_stage_schedule  # noqa: E402
-from dpcfl_flwr.training import DPSGDConfig, configure_threads, evaluate, train_dp  # noqa: E402
 
 BATCH, CLIP, DELTA = 32, 3.0, 1e-4
 MINORITY = (0, 1, 2)

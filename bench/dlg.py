@@ -1,4 +1,4 @@
-"""DLG against both privatisers (issue 29, paper 004 Fig. 5): reconstruction error as noise grows.
+"""DLG against both privatisers (paper 004 Fig. 5): reconstruction error as noise grows.
 
 A few Fashion-MNIST training records, each attacked alone (batch of one) on a fresh CNN, once
 with the repository's ReLU CNN and once with its sigmoid variant (the DLG paper's choice,

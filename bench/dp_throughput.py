@@ -5,7 +5,7 @@ are taken within that repeat and their median is reported next to the best run's
   torch-tensors    non-private SGD indexing tensors directly (the hardware limit)
   torch-loader     non-private SGD through a DataLoader, as most users write it
   opacus-default   Opacus make_private with its defaults (hooks, Poisson DPDataLoader)
-  ours-<engine>    dpcfl_flwr.training.train_dp with each per-sample engine
+  ours-<engine>    dpcfl_flwr.dpsgd.training.train_dp with each per-sample engine
 
 Whole loops last about a second on the CNN, so a burst of machine noise moves a best-of ratio
 by 10%. The paired-steps section is the steadier figure: one of our DP-SGD steps and one
@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, DPSGDStepper, train_dp  # noqa: E402
 from dpcfl_flwr.models import build_model  # noqa: E402
-from dpcfl_flwr.training import DPSGDConfig, DPSGDStepper, train_dp  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SIZES = {"cnn": {"n": 2048, "shape": (1, 28, 28)}, "resnet18": {"n": 192, "shape": (3, 32, 32)}}

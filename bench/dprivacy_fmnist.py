@@ -1,5 +1,5 @@
 """d-privacy's accuracy against its noise multiplier v on real Fashion-MNIST, beside R-DPCFL on
-the same silos (issue 29; docs/dprivacy.md): paper 004's Table 2 shape (flat up to v of about
+the same silos (docs/dprivacy.md): paper 004's Table 2 shape (flat up to v of about
 3, falling from 5) at CPU scale (examples/dprivacy-fmnist-cpu.toml: 20 silos, two rotations).
 
 Every run is its own ``dpcfl simulate`` in ``results/dprivacy-fmnist/<run>/seed<s>``; a run

@@ -1,5 +1,5 @@
 """Paper 004 §4.1 on our code: FedAvg, IFCA and the d-private clustered algorithm (v = 5) on
-the two-line regression mixture (dpcfl_flwr/dprivacy_synthetic.py, docs/dprivacy.md).
+the two-line regression mixture (bench/regression_mixture.py, docs/dprivacy.md).
 
 Draws the paper's Figure 1 (hypotheses' trajectories against the two optima over the released
 models, loss per round) and Figure 2 (largest cumulative leakage per group) for one seed to
@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
-from dpcfl_flwr.dprivacy_synthetic import (  # noqa: E402
+from bench.regression_mixture import (  # noqa: E402
     ALGORITHMS,
     OPTIMA,
     SyntheticSetup,

@@ -97,7 +97,7 @@ def ghost_choices() -> list[str]:
 _THREADS = """
 import sys, time, torch
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.training import DPSGDConfig, train_dp
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
 torch.set_num_threads(int(sys.argv[1]))
 x, y = torch.randn(2048, 1, 28, 28), torch.randint(0, 10, (2048,))
 best = 0.0

@@ -45,9 +45,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
 from bench.process_cpu import ProcessCpuSampler  # noqa: E402
-from dpcfl_flwr.config import parse_run_config  # noqa: E402
+from dpcfl_flwr.config.config_file import load_config  # noqa: E402
+from dpcfl_flwr.config.settings import parse_run_config  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment, silo_flags  # noqa: E402
-from dpcfl_flwr.simulation import load_config, run_simulation  # noqa: E402
+from dpcfl_flwr.runs.simulation import run_simulation  # noqa: E402
 
 WORKERS = 2
 DEFAULT_ROUNDS = 4

@@ -1,4 +1,4 @@
-"""What PLD accounting buys on real Fashion-MNIST (issue 30 item 2; docs/privacy.md#pld-accounting).
+"""What PLD accounting buys on real Fashion-MNIST (docs/privacy.md#pld-accounting).
 
 R-DPCFL with ``accountant = rdp`` against ``accountant = pld`` on the same silos and seeds: the
 quick example (eps = 10) and the CPU-scale comparison cell at eps = 3

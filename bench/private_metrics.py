@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish, simulate_quick  # noqa: E402
-from dpcfl_flwr.config import parse_node_config, parse_run_config  # noqa: E402
-from dpcfl_flwr.silo import Silo  # noqa: E402
-from dpcfl_flwr.training import evaluate  # noqa: E402
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config  # noqa: E402
+from dpcfl_flwr.dpsgd.training import evaluate  # noqa: E402
+from dpcfl_flwr.silo.silo import Silo  # noqa: E402
 
 
 def true_accuracies(out: Path, results: dict[str, Any]) -> dict[int, float]:

@@ -17,8 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dpcfl_flwr.deploy.processes import TICKS, process_table
-from dpcfl_flwr.progress import ProgressTail
+from dpcfl_flwr.runs.processes import TICKS, process_table
+from dpcfl_flwr.runs.progress import ProgressTail
 
 # First match on the command line wins; order matters (a supervisor's command line names the
 # silo file, the SuperNode's names the launcher module).

@@ -1,4 +1,4 @@
-"""Robust-HDP's study at CPU scale on real Fashion-MNIST (issue 28; docs/aggregation.md).
+"""Robust-HDP's study at CPU scale on real Fashion-MNIST (docs/aggregation.md).
 
 Four parts, each a ``dpcfl compare`` grid whose finished cells are kept, so the study can be
 stopped at any time and continued by running this again:
@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
-from dpcfl_flwr.paper_budgets import DISTRIBUTIONS  # noqa: E402
+from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 
 OUT = REPO / "results" / "robust-hdp"
 RULES = ("samples", "weiavg", "pfa", "min-eps", "robust-hdp", "oracle-variance")

@@ -38,17 +38,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
-    from flwr.superlink import main as superlink_main
-
     from dpcfl_flwr.flower_compat import control_middleware
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from starlette.testclient import TestClient
 
-    flowers = superlink_main.create_app()
+    flowers = control_middleware.superlink_app()
     if not control_middleware.install():
         raise SystemExit("not the Flower version the launcher patches")
-    ours = superlink_main.create_app()
+    ours = control_middleware.superlink_app()
     best = {"flower": float("inf"), "launcher": float("inf")}
     with TestClient(flowers) as flower_client, TestClient(ours) as our_client:
         for client in (flower_client, our_client):  # warm up both

@@ -58,7 +58,7 @@ def simulate(out: Path, **overrides: object) -> tuple[dict, float, float]:
 _FULL_BATCH = """
 import json, resource, sys, torch
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.training import DPSGDConfig, train_dp
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
 torch.set_num_threads(1)
 n = int(sys.argv[1])
 x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))

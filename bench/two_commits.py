@@ -1,6 +1,6 @@
 """Two commits back to back: did a change keep the quick example's figures?
 
-For a restructuring that must change nothing a user sees (issue 26), this runs the quick
+For a restructuring that must change nothing a user sees, this runs the quick
 example (``dpcfl simulate --config examples/quick.toml``, each commit's own file) for every
 seed alternately on the two commits, so both see the same machine and the same load, and
 compares wall time, accuracy, the epsilon each silo spent and the noise multiplier it

@@ -18,9 +18,14 @@ from typer.core import TyperCommand
 from .attacks.command import attack_app
 from .audit.command import audit
 from .data import DataError
-from .privacy import plan_noise, two_stage_schedule
-from .privacy.schedule import FULL_BATCH
-from .privacy_report import compare_accountants, plan_dict, print_comparison, print_noise_table
+from .privacy.budget import plan_noise
+from .privacy.schedule import FULL_BATCH, two_stage_schedule
+from .results.privacy_report import (
+    compare_accountants,
+    plan_dict,
+    print_comparison,
+    print_noise_table,
+)
 
 # Plain help (click's layout): Typer's rich panels cut option names (`--root-certifica…`) to
 # fit an 80-column terminal and read `[method.<name>]` in a help text as markup.
@@ -188,8 +193,8 @@ def probe(
     out: Path = typer.Option(Path("results/probe"), help="Directory for probe.json + plot."),
 ) -> None:
     """Round 1 only: do the clients' DP updates reveal their clusters? (Fig. 5, RQ5)"""
-    from .probe import ProbeSettings, run_probe
-    from .training import configure_threads
+    from .dpsgd.training import configure_threads
+    from .runs.probe import ProbeSettings, run_probe
 
     configure_threads(threads)
     settings = ProbeSettings(dataset, data_dir, clusters, shift, model, samples, epsilon, delta,
@@ -226,8 +231,9 @@ def simulate(
                                 help="Continue the killed run of this results directory."),
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
-    from .progress import ProgressFollower, summary_table
-    from .simulation import AlreadyFinished, experiment_to_run, parse_override, run_simulation
+    from .config.config_file import parse_override
+    from .runs.progress import ProgressFollower, summary_table
+    from .runs.simulation import AlreadyFinished, experiment_to_run, run_simulation
     from .strategies import TooFewSilos
     from .strategies.exchange import RunInterrupted
 
@@ -289,7 +295,8 @@ def compare(
 ) -> None:
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
     write summary.md / summary.csv / comparison.png in the paper's form."""
-    from .compare import (
+    from .config.config_file import parse_override
+    from .runs.compare import (
         apply_overrides,
         load_grid_config,
         parse_numbers,
@@ -297,9 +304,8 @@ def compare(
         run_grid,
         variants,
     )
-    from .compare_report import collect as collect_cells
-    from .compare_report import write_reports
-    from .simulation import parse_override
+    from .runs.compare_report import collect as collect_cells
+    from .runs.compare_report import write_reports
 
     try:
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
@@ -331,9 +337,9 @@ def report(
 ) -> None:
     """Print a run's summary table (and per-silo outcome), redraw its figures and say where
     its TensorBoard event files are."""
-    from .board import BOARD_DIR, event_files
-    from .progress import silo_table, summary_table
-    from .results import redraw_figures
+    from .results.board import BOARD_DIR, event_files
+    from .results.recorder import redraw_figures
+    from .runs.progress import silo_table, summary_table
 
     path = results_dir / "results.json"
     try:

@@ -1,10 +1,11 @@
 """The ClientApp: a silo's ``query``, ``train`` and ``evaluate`` handlers (thin Flower glue).
 
-Everything privacy-relevant happens in :mod:`dpcfl_flwr.silo`. Every field of a message is
-validated first (:mod:`dpcfl_flwr.requests`; a bad one is answered with an Error carrying
-:data:`~dpcfl_flwr.protocol.BAD_REQUEST`, nothing charged); the budget check, the work and the
-charge run under the ledger's lock, and the ledger is on the silo's disk before a reply
-leaves; a round that would overspend is answered with an Error carrying
+Each handler parses the message, makes one call into the silo package and replies: every field
+is validated first (:mod:`dpcfl_flwr.silo.requests`; a bad one is answered with an Error
+carrying :data:`~dpcfl_flwr.protocol.BAD_REQUEST`, nothing charged), then
+:mod:`dpcfl_flwr.silo.round` accepts the round whole and runs it through the silo's privatiser
+under the ledger's lock; the ledger is on the silo's disk before a reply leaves, and a round
+that would overspend is answered with an Error carrying
 :data:`~dpcfl_flwr.protocol.BUDGET_EXCEEDED` and the reason. Silo settings come from the node
 config alone, except in Flower's simulation engine (:func:`running_in_simulation`).
 """
@@ -20,35 +21,26 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from .config import ConfigError, parse_node_config, parse_run_config
+from .config.settings import ConfigError, parse_node_config, parse_run_config
 from .data import DataError
-from .privacy import GaussianSteps, Selection
 from .protocol import (
-    ANCHOR,
-    ARRAYS,
     BAD_REQUEST,
     BUDGET_EXCEEDED,
-    CLUSTER_PREFIX,
     METRICS,
     OWN_MODEL,
-    SELECT,
     SILO,
     SILO_FAILED,
     UPDATE,
     WireModel,
-    cluster_key,
     metric_record,
     model_records,
     one_record,
     pack_state,
     reply,
-    unpack_state,
 )
-from .requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
-from .silo import BudgetExceeded, Schedule, Silo
-from .silo_dprivacy import check_privatiser, released_round
-from .silo_model import evaluated_metadata, keep_evaluated_model
-from .training import DPSGDConfig
+from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
+from .silo.round import evaluate_round, train_round
+from .silo.silo import BudgetExceeded, Silo
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +48,7 @@ app = ClientApp()
 
 _STATE = "privacy"
 #: The run's schedule as its first valid train message announced it (``rounds``): how the
-#: silo tells the final evaluation, and so its final model (:mod:`.silo_model`), from others.
+#: silo tells the final evaluation, and so its final model (:mod:`.silo.kept_model`), from others.
 _RUN = "run-schedule"
 
 
@@ -126,36 +118,6 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     return wrapped
 
 
-def _model(records: dict[str, WireModel], name: str, silo: Silo) -> dict[str, torch.Tensor]:
-    """The message's model ``name`` as the silo's model's tensors; BadRequest if it is
-    missing, not this model, or not finite (NaN weights would make every figure NaN)."""
-    if name not in records:
-        raise BadRequest(f"the message carries no model '{name}'")
-    try:
-        state = unpack_state(records[name], silo.template())
-    except (ValueError, KeyError, TypeError, EOFError, OSError) as exc:
-        raise BadRequest(f"model '{name}' is not this silo's model: {exc}") from None
-    if not all(bool(torch.isfinite(tensor).all()) for tensor in state.values()):
-        raise BadRequest(f"model '{name}' has non-finite weights")
-    return state
-
-
-def _candidates(records: dict[str, WireModel], silo: Silo) -> list[dict[str, torch.Tensor]]:
-    """The cluster models of a selection round: ``cluster-0`` .. ``cluster-{M-1}``, no gaps,
-    at most the silo's ``max-candidates``; their number and names are checked before any is
-    unpacked, and every one is unpacked and checked before any is used."""
-    names = [key for key in records if key.startswith(CLUSTER_PREFIX)]
-    limit = silo.silo.max_candidates
-    if len(names) > limit:
-        raise BadRequest(f"a selection round carries {len(names)} cluster models; this silo "
-                         f"scores at most {limit} (node config 'max-candidates')")
-    expected = [cluster_key(m) for m in range(len(names))]
-    if not names or sorted(names) != sorted(expected):
-        raise BadRequest(f"a selection round needs models {CLUSTER_PREFIX}0 .. "
-                         f"{CLUSTER_PREFIX}<M-1>, got {sorted(names) or 'none'}")
-    return [_model(records, name, silo) for name in expected]
-
-
 @app.query()
 @_guarded
 def query(message: Message, context: Context) -> Message:
@@ -171,6 +133,15 @@ def handler_cpu_clock() -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
+def _models(message: Message, context: Context) -> dict[str, WireModel]:
+    """The message's models by name, and the silo's own model when its node keeps one."""
+    models = model_records(message.content)
+    own = context.state.array_records.get(OWN_MODEL)
+    if own is not None:
+        models[OWN_MODEL] = own
+    return models
+
+
 @app.train()
 @_guarded
 def train(message: Message, context: Context) -> Message:
@@ -178,76 +149,19 @@ def train(message: Message, context: Context) -> Message:
     started = clock()
     request: TrainRequest = parse_request(TrainRequest, message)
     silo = _open_silo(context)
-    with silo.charging():  # check, train and charge under the ledger's lock
-        update, start, metrics = _train_round(silo, request, model_records(message.content),
-                                              context)
+    outcome = train_round(silo, request, _models(message, context))
     _remember_rounds(context, request)
     _remember_ledger(context, silo)
+    metrics = outcome.metrics
     metrics["epsilon-spent"] = silo.spent()
     if silo.silo.report_cpu_seconds:  # timing follows the Poisson sample: an opt-in
         metrics["cpu-seconds"] = clock() - started
     if request.personal:
         # Local training: the model stays in the silo; only metrics leave it.
-        trained = {k: start[k] + update[k] for k in start}
+        trained = {k: outcome.start[k] + outcome.update[k] for k in outcome.start}
         context.state[OWN_MODEL] = ArrayRecord(trained)
         return reply(message, one_record(METRICS, metrics))
-    return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(update)}))
-
-
-def _train_round(silo: Silo, request: TrainRequest, records: dict[str, WireModel],
-                 context: Context) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                            dict[str, float]]:
-    """Check the whole message (privatiser, work, every model), then plan, check the budget,
-    (select and) train one round; returns the update, the weights it started from and the
-    reply's numbers. Runs under the ledger's lock; nothing is calibrated or stored for a
-    message refused by its content."""
-    check_privatiser(silo, request)
-    proposed = Schedule.from_request(request)
-    schedule = silo.own_schedule(proposed)
-    batch = silo.own_batch(request.batch, proposed)
-    silo.check_work(schedule, batch)
-    selecting = request.cluster == SELECT
-    if selecting and request.select_ratio <= 0 and request.privatiser == "dpsgd":
-        raise BadRequest("train message: a selection round (cluster = -1) needs "
-                         "'select-ratio' > 0, the budget share of its private selection")
-    candidates = (_candidates(records, silo) if selecting
-                  else [_received_or_own(records, context, silo)])
-    if request.privatiser == "dprivacy":
-        return released_round(silo, request, candidates, request.cluster)
-    anchor = None
-    if ANCHOR in records and request.prox_variant == "correct":
-        anchor = _model(records, ANCHOR, silo)
-    plan = silo.plan(schedule, request.run_key)
-    server_round, cluster = request.server_round, request.cluster
-    cost = silo.round_cost(plan, batch, server_round, schedule.local_epochs)
-    planned: list[GaussianSteps | Selection] = [cost]
-    if selecting:
-        planned.append(Selection(plan.epsilon_select, round=server_round))
-    silo.check(planned, server_round)
-    if selecting:
-        cluster = silo.select(candidates, plan, server_round)
-    start = candidates[cluster if selecting else 0]
-    prox = None if anchor is None else (request.prox_lambda, anchor)
-    dp = DPSGDConfig(plan.noise_multiplier, request.clip_norm, request.learning_rate,
-                     batch, schedule.local_epochs, silo.experiment.physical_batch_size or None)
-    update, metrics = silo.train(start, dp, server_round, prox)
-    # z, b and the steps let the server (and an evaluation-only oracle) size the round's noise
-    metrics.update({"cluster": cluster, "selected": int(selecting),
-                    "noise-multiplier": plan.noise_multiplier,
-                    "batch-size": silo.data.num_train if batch == "full" else batch,
-                    "steps": cost.steps})
-    return update, start, metrics
-
-
-def _received_or_own(records: dict[str, WireModel], context: Context,
-                     silo: Silo) -> dict[str, torch.Tensor]:
-    """The weights the server sent (``records``: the message's models), or the silo's own
-    model when it sent none (Local)."""
-    if ARRAYS in records:
-        return _model(records, ARRAYS, silo)
-    if OWN_MODEL in context.state.array_records:
-        return _model({OWN_MODEL: context.state.array_records[OWN_MODEL]}, OWN_MODEL, silo)
-    raise BadRequest("no model received and no own model kept from an earlier round")
+    return reply(message, one_record(METRICS, metrics, {UPDATE: pack_state(outcome.update)}))
 
 
 @app.evaluate()
@@ -255,14 +169,7 @@ def _received_or_own(records: dict[str, WireModel], context: Context,
 def evaluate(message: Message, context: Context) -> Message:
     request: EvaluateRequest = parse_request(EvaluateRequest, message)
     silo = _open_silo(context)
-    state = _received_or_own(model_records(message.content), context, silo)
-    with silo.charging():  # a private evaluation is charged like a round
-        silo.check(list(silo.evaluation_cost(request.server_round)), request.server_round)
-        metrics, exact = silo.test(state, request.server_round)
+    metrics = evaluate_round(silo, request, _models(message, context),
+                             _planned_rounds(context), _run_name(context))
     _remember_ledger(context, silo)
-    # the silo's own copy of the model it would use; nothing of it leaves the silo
-    keep_evaluated_model(silo, state, evaluated_metadata(
-        silo, request.server_round, request.cluster, _planned_rounds(context), metrics, exact),
-        _run_name(context))
-    metrics.update({"cluster": request.cluster, "epsilon-spent": silo.spent()})
     return reply(message, RecordDict({METRICS: metric_record(metrics)}))

@@ -6,7 +6,7 @@ models; reply ``metrics`` with the packed ``update``) and ``evaluate`` (reply ``
 Every field, the cluster codes (:data:`SELECT`, :data:`OWN`, the strategies' ``INITIAL``), the
 error codes (:data:`BUDGET_EXCEEDED`, :data:`SILO_FAILED`, :data:`BAD_REQUEST`) and the packed
 model format (:func:`pack`) are documented in docs/protocol.md; what a silo accepts is
-validated in :mod:`dpcfl_flwr.requests`.
+validated in :mod:`dpcfl_flwr.silo.requests`.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .board import BoardWriter, Observers
-from .config import ConfigError, ExperimentConfig, parse_run_config
+from .config.settings import ConfigError, ExperimentConfig, parse_run_config
 from .flower_compat import in_process_grid
 from .models import build_model
-from .results import RunRecorder
+from .results.board import BoardWriter, Observers
+from .results.recorder import RunRecorder
 from .strategies import TooFewSilos, build_strategy
 from .strategies.checkpoint import checkpoint_path, load_checkpoint
 from .strategies.exchange import PollingGrid, RunInterrupted

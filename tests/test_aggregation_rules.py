@@ -22,7 +22,7 @@ from dpcfl_flwr.aggregation import (
     oracle_noise_level,
     principal_component_pursuit,
 )
-from dpcfl_flwr.paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
+from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
 from dpcfl_flwr.privacy.calibration import calibrate_noise_multiplier
 from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.privacy.schedule import single_stage_schedule

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dpcfl_flwr.deploy.localhost import FLWR, LocalDeployment, free_port
-from dpcfl_flwr.privacy import PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyLedger
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = {"rdpcfl.n-clusters": 2, "samples-per-client": 64, "test-samples": 40}
@@ -32,7 +32,7 @@ TAMPERING = f'''
 import os as _os
 import sys as _sys
 
-from .privacy import PrivacyLedger as _Ledger
+from .privacy.ledger import PrivacyLedger as _Ledger
 
 if any(part in " ".join(_sys.argv) for part in ("flwr-clientapp", "supernode")):
     open(_os.path.join(_os.environ["FLWR_HOME"], "{MARKER}"), "w").close()

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from dpcfl_flwr.audit import AuditSettings, audit_bound, guess_membership, p_value, run_audit
 from dpcfl_flwr.audit.setting import synthetic_silo
 from dpcfl_flwr.cli import app
-from dpcfl_flwr.training import DPSGDConfig
+from dpcfl_flwr.dpsgd.training import DPSGDConfig
 
 # 500 synthetic records, b = 50, 50 rounds of 10 steps (q = 0.1), 2000 canaries with 500
 # guesses each way. Measured over seeds 1-3: z = 5 claims 1.81 (PLD, delta 1e-5) and audits

@@ -1,4 +1,4 @@
-"""Per-round metrics in TensorBoard event files (dpcfl_flwr/board.py), read back with
+"""Per-round metrics in TensorBoard event files (dpcfl_flwr/results/board.py), read back with
 TensorBoard's own reader: a real simulation's scalars equal what its results.json reports; a
 resumed run's rewritten rounds show once; ``tensorboard = false`` writes none; ``dpcfl
 report`` reads results directories with and without the event files."""
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dpcfl_flwr.board import BOARD_DIR, BoardWriter, event_files
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.protocol import ModelLayout
+from dpcfl_flwr.results.board import BOARD_DIR, BoardWriter, event_files
+from dpcfl_flwr.runs.simulation import run_simulation
 from dpcfl_flwr.server_app import initial_arrays, run_experiment
-from dpcfl_flwr.simulation import run_simulation
 
 from .grid_double import GridDouble
 from .scripted_silos import NODE, TRUTH, ScriptedSilo

@@ -19,10 +19,11 @@ from dpcfl_flwr.clustering import (
     separation_scores,
     switch_round,
 )
-from dpcfl_flwr.clustering.round_one import round_one_updates
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data
-from dpcfl_flwr.privacy import plan_noise, two_stage_schedule
-from dpcfl_flwr.training import DPSGDConfig
+from dpcfl_flwr.dpsgd.training import DPSGDConfig
+from dpcfl_flwr.privacy.budget import plan_noise
+from dpcfl_flwr.privacy.schedule import two_stage_schedule
+from dpcfl_flwr.runs.round_one import round_one_updates
 
 
 def _mixture(sizes, p, spread, noise, seed=0):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dpcfl_flwr import compare
-from dpcfl_flwr.compare import (
+from dpcfl_flwr.config.settings import ConfigError
+from dpcfl_flwr.runs import compare
+from dpcfl_flwr.runs.compare import (
     GridRun,
     apply_overrides,
     changed_keys,
@@ -23,7 +24,6 @@ from dpcfl_flwr.compare import (
     run_config,
     run_grid,
 )
-from dpcfl_flwr.config import ConfigError
 
 TINY = """clusters = "2,2"
 samples-per-client = 64

@@ -12,9 +12,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dpcfl_flwr import compare
 from dpcfl_flwr.cli import app
-from dpcfl_flwr.compare import (
+from dpcfl_flwr.config.settings import ConfigError
+from dpcfl_flwr.runs import compare
+from dpcfl_flwr.runs.compare import (
     GridRun,
     apply_overrides,
     plan_grid,
@@ -22,9 +23,13 @@ from dpcfl_flwr.compare import (
     run_grid,
     variants,
 )
-from dpcfl_flwr.compare_report import collect, mean_noise_level, mean_oracle_ratio, write_reports
-from dpcfl_flwr.config import ConfigError
-from dpcfl_flwr.progress import silo_table
+from dpcfl_flwr.runs.compare_report import (
+    collect,
+    mean_noise_level,
+    mean_oracle_ratio,
+    write_reports,
+)
+from dpcfl_flwr.runs.progress import silo_table
 
 CLIP = 3.0
 #: Six silos in two true clusters with budgets of the paper's kind of spread (dist2-like): the

@@ -94,8 +94,8 @@ def test_with_an_event_log_plugin_runtime_requests_are_still_logged(entered):
 
 def test_other_flower_versions_keep_their_middleware(entered, monkeypatch):
     flowers = superlink_main._get_middleware
-    monkeypatch.setattr(flower_compat, "TUNING", False)
+    monkeypatch.setattr(flower_compat.gate, "TUNING", False)
     assert not control_middleware.install()
     assert superlink_main._get_middleware is flowers
-    monkeypatch.setattr(flower_compat, "TUNING", True)
+    monkeypatch.setattr(flower_compat.gate, "TUNING", True)
     assert control_middleware.install() and superlink_main._get_middleware is not flowers

@@ -17,10 +17,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
-from dpcfl_flwr.config import ConfigError, parse_node_config
+from dpcfl_flwr.config.settings import ConfigError, parse_node_config
 from dpcfl_flwr.deploy.certs import make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
-from dpcfl_flwr.deploy.processes import descendants, exit_code_of
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
     deployed_settings,
@@ -29,6 +28,7 @@ from dpcfl_flwr.deploy.silo_file import (
     supernode_command,
 )
 from dpcfl_flwr.deploy.superlink import ServerSettings, check_server, superlink_command
+from dpcfl_flwr.runs.processes import descendants, exit_code_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,9 +164,9 @@ def test_a_silo_without_its_own_budget_or_ledger_refuses_to_start_with_one_line(
 
 
 def test_the_committed_silo_files_give_each_silo_its_records_of_the_quick_example():
-    # What decides a silo's records (dpcfl_flwr/silo.py): in simulation from the run config,
+    # What decides a silo's records (dpcfl_flwr/silo/silo.py): in simulation from the run config,
     # deployed from its silo file alone. The same for every silo of the quick example.
-    from dpcfl_flwr.simulation import load_config
+    from dpcfl_flwr.config.config_file import load_config
 
     quick = load_config(REPO / "examples" / "quick.toml", {})
     split = ("dataset", "clusters", "shift", "samples_per_client", "val_fraction",

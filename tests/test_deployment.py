@@ -25,8 +25,8 @@ import pytest
 from dpcfl_flwr.data import Topology
 from dpcfl_flwr.deploy.compose import ComposeOptions, compose_yaml, silo_files
 from dpcfl_flwr.deploy.localhost import DPCFL, LocalDeployment, free_port
-from dpcfl_flwr.deploy.processes import descendants
-from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.runs.processes import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 SILOS = 4

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dpcfl_flwr.deploy.localhost import LocalDeployment
-from dpcfl_flwr.privacy import PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
 from dpcfl_flwr.strategies.checkpoint import CHECKPOINT, read_checkpoint
 
 DPCFL = [sys.executable, "-m", "dpcfl_flwr.cli"]

@@ -43,3 +43,37 @@ def test_every_docs_reference_resolves():
                     broken.append(f"{where}: docs/{page} has no heading #{anchor}")
     assert seen > 20  # the code does cite the docs
     assert not broken, "\n".join(broken)
+
+
+def _layout_sections() -> dict[str, str]:
+    """docs/README.md's package map, by entry: a top-level module (``cli.py``) or a package
+    (``silo/``) with the text that describes it."""
+    text = (REPO / "docs" / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    sections: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        entry = re.match(r"^  (\S+)", line)
+        if entry:
+            current = entry.group(1)
+            sections[current] = ""
+        if current is not None:
+            sections[current] += line + "\n"
+    return sections
+
+
+def test_the_package_map_names_every_module():
+    """A module missing from docs/README.md's layout is a room a newcomer cannot find."""
+    sections = _layout_sections()
+    package = REPO / "dpcfl_flwr"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if path.name == "__init__.py":
+            continue
+        if len(relative.parts) == 1:
+            if path.name not in sections:
+                missing.append(str(relative))
+        elif path.name not in sections.get(f"{relative.parts[0]}/", ""):
+            missing.append(str(relative))
+    assert missing == [], f"add these to the layout in docs/README.md: {missing}"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from dpcfl_flwr.dprivacy_synthetic import (
+from bench.regression_mixture import (
     ALGORITHMS,
     OPTIMA,
     SyntheticSetup,
@@ -19,15 +19,17 @@ from dpcfl_flwr.dprivacy_synthetic import (
     run,
     server_update,
 )
-from dpcfl_flwr.privacy import (
+from dpcfl_flwr.privacy.dprivacy import (
+    euclidean_laplace,
+    euclidean_laplace_log_density,
+    sanitize_update,
+)
+from dpcfl_flwr.privacy.ledger import (
     DPrivacyRelease,
     GaussianSteps,
     PrivacyBudget,
     PrivacyLedger,
     Selection,
-    euclidean_laplace,
-    euclidean_laplace_log_density,
-    sanitize_update,
 )
 
 

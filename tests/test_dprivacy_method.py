@@ -10,10 +10,10 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import ConfigError, parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import ConfigError, parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import ServerState, TrainReply
 from dpcfl_flwr.methods.dprivacy import DPrivacyCFL
-from dpcfl_flwr.privacy import PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyLedger
 from dpcfl_flwr.protocol import (
     ARRAYS,
     BAD_REQUEST,
@@ -27,7 +27,7 @@ from dpcfl_flwr.protocol import (
     model_records,
 )
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Silo
+from dpcfl_flwr.silo.silo import Silo
 
 from .test_silo import _context, _message
 

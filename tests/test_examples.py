@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dpcfl_flwr import registry
-from dpcfl_flwr.compare import load_grid_config
-from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.simulation import flat_keys
+from dpcfl_flwr.config import registry
+from dpcfl_flwr.config.config_file import flat_keys
+from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.runs.compare import load_grid_config
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 
@@ -33,7 +33,7 @@ def test_the_apps_run_config_declares_every_key_with_its_default():
     key of the run config stands there, with the value the code defaults to."""
     import tomllib
 
-    from dpcfl_flwr.config import ExperimentConfig
+    from dpcfl_flwr.config.settings import ExperimentConfig
 
     pyproject = Path(__file__).parents[1] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]

@@ -12,15 +12,15 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import ConfigError, parse_node_config, parse_run_config
-from dpcfl_flwr.heterogeneity import per_silo_values
+from dpcfl_flwr.config.heterogeneity import per_silo_values
+from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
+from dpcfl_flwr.config.settings import ConfigError, parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import SiloInfo
-from dpcfl_flwr.paper_budgets import DISTRIBUTIONS, PAPER_BATCH_SIZES
-from dpcfl_flwr.privacy import PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyLedger
 from dpcfl_flwr.protocol import CONFIG, SILO, metrics_of
-from dpcfl_flwr.requests import TrainRequest
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Schedule, Silo
+from dpcfl_flwr.silo.requests import TrainRequest
+from dpcfl_flwr.silo.silo import Silo
 from dpcfl_flwr.strategies import build_strategy
 
 from .test_silo import _context, _message, _schedule, _train_content
@@ -145,7 +145,7 @@ def test_min_eps_asks_every_silo_for_the_smallest_claimed_budget(tmp_path):
                            for p, eps in enumerate((3.0, 0.5))})
     config = strategy.train_config(2, 0)
     assert config["epsilon-target"] == 0.5
-    assert Schedule.from_request(_request(config)).epsilon_target == 0.5
+    assert _request(config).schedule.epsilon_target == 0.5
     strategy.silos[1].epsilon_budget = 0.1  # a later claim does not change the run's plan
     assert strategy.train_config(3, 0)["epsilon-target"] == 0.5
     assert np.isfinite(strategy.epsilon_target())

@@ -22,15 +22,11 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.privacy import (
-    DEFAULT_ORDERS,
-    PrivacyBudget,
-    PrivacyLedger,
-    metric_release_cost,
-    noisy_evaluation,
-)
+from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.metrics import metric_release_cost, noisy_evaluation
+from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.protocol import (
     ANCHOR,
     ARRAYS,
@@ -49,7 +45,7 @@ from dpcfl_flwr.protocol import (
     pack_state,
 )
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Schedule, Silo
+from dpcfl_flwr.silo.silo import Schedule, Silo
 from tests.poisoned_models import plant_canary
 
 N = 80  # training records of the silo
@@ -339,7 +335,7 @@ def test_test_noise_seeds_differ_for_every_charge(tmp_path, server_task_identity
 def _train_in_another_process(tmp_path: str, barrier: Any, results: Any) -> None:
     from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
-    from dpcfl_flwr.config import parse_run_config as parse  # noqa: PLC0415 (child process)
+    from dpcfl_flwr.config.settings import parse_run_config as parse  # noqa: PLC0415 (child process)
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     torch.set_num_threads(1)

@@ -18,12 +18,12 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from pydantic import Field
 
-from dpcfl_flwr import registry
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config import registry
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.methods.base import INITIAL, Method, MethodParams, ServerState, TrainReply
 from dpcfl_flwr.protocol import OWN, SELECT, ModelLayout
-from dpcfl_flwr.requests import EvaluateRequest, TrainRequest, parse_request
 from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.silo.requests import EvaluateRequest, TrainRequest, parse_request
 from dpcfl_flwr.strategies import ClusteredStrategy
 
 from .grid_double import GridDouble

@@ -6,8 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from dpcfl_flwr.dpsgd.per_sample import (
+    LayerwiseEngine,
+    OpacusEngine,
+    layerwise_supported,
+    make_engine,
+)
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.per_sample import LayerwiseEngine, OpacusEngine, layerwise_supported, make_engine
 
 
 @pytest.mark.parametrize(("name", "shape", "clip"), [

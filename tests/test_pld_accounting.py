@@ -10,23 +10,29 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import PLDAccountant
 
-from dpcfl_flwr.config import parse_node_config, parse_run_config
-from dpcfl_flwr.privacy import (
-    GaussianSteps,
-    PrivacyBudget,
-    PrivacyLedger,
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
+from dpcfl_flwr.privacy import pld as pld_module
+from dpcfl_flwr.privacy.accountants import accountant_named
+from dpcfl_flwr.privacy.budget import plan_noise
+from dpcfl_flwr.privacy.calibration import schedule_epsilon
+from dpcfl_flwr.privacy.history import History
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
+from dpcfl_flwr.privacy.pld import pld_epsilon
+from dpcfl_flwr.privacy.schedule import (
+    GaussianPhase,
     Schedule,
-    Selection,
-    accounted_epsilon,
-    plan_noise,
-    pld_epsilon,
     single_stage_schedule,
+    steps_per_round,
     two_stage_schedule,
 )
-from dpcfl_flwr.privacy import pld as pld_module
-from dpcfl_flwr.privacy.calibration import schedule_epsilon
-from dpcfl_flwr.privacy.schedule import GaussianPhase, steps_per_round
-from dpcfl_flwr.silo import BudgetExceeded, Silo
+from dpcfl_flwr.silo.silo import BudgetExceeded, Silo
+
+
+def accounted_epsilon(runs, selections, delta, accountant, conversion="classic"):
+    """The whole history's epsilon by the accountant ``accountant``."""
+    return accountant_named(accountant).epsilon(History(tuple(runs), tuple(selections)),
+                                                delta, conversion)
+
 
 DELTA = 1e-4
 
@@ -72,8 +78,8 @@ def test_one_selection_is_the_randomized_response_bound():
 
 
 def test_published_full_batch_example():
-    # issue 30: sigma = 5 over 100 full-batch steps at delta 1e-5: 10.00 by PLD, 10.73 by RDP
-    # (Balle et al.'s conversion, the tight one)
+    # a published reference: sigma = 5 over 100 full-batch steps at delta 1e-5: 10.00 by
+    # PLD, 10.73 by RDP (Balle et al.'s conversion, the tight one)
     assert pld_epsilon([(5.0, 1.0, 100)], [], 1e-5) == pytest.approx(10.00, abs=0.01)
     rdp = schedule_epsilon([GaussianPhase(1.0, 100)], 5.0, 1e-5, "tight")
     assert rdp == pytest.approx(10.73, abs=0.01)

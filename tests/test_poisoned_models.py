@@ -16,11 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-import dpcfl_flwr.per_sample as per_sample
-from dpcfl_flwr.models import build_model
-from dpcfl_flwr.per_sample import make_engine
-from dpcfl_flwr.privacy.metrics import LOSS_BOUND
-from dpcfl_flwr.training import (
+import dpcfl_flwr.dpsgd.per_sample as per_sample
+from dpcfl_flwr.dpsgd.per_sample import make_engine
+from dpcfl_flwr.dpsgd.training import (
     DPSGDConfig,
     _clipped_sum,
     bounded_losses,
@@ -28,6 +26,8 @@ from dpcfl_flwr.training import (
     train_dp,
     train_sgd,
 )
+from dpcfl_flwr.models import build_model
+from dpcfl_flwr.privacy.metrics import LOSS_BOUND
 from tests.poisoned_models import (
     GhostNet,
     GroupNormNet,

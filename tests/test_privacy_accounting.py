@@ -10,18 +10,10 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 
-from dpcfl_flwr.privacy import (
-    DEFAULT_ORDERS,
-    calibrate_noise_multiplier,
-    plan_noise,
-    rdp_to_dp,
-    schedule_epsilon,
-    sgm_rdp,
-    single_stage_schedule,
-    split_budget,
-    two_stage_schedule,
-)
-from dpcfl_flwr.privacy.rdp import sgm_rdp_single
+from dpcfl_flwr.privacy.budget import plan_noise, split_budget
+from dpcfl_flwr.privacy.calibration import calibrate_noise_multiplier, schedule_epsilon
+from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS, rdp_to_dp, sgm_rdp, sgm_rdp_single
+from dpcfl_flwr.privacy.schedule import single_stage_schedule, two_stage_schedule
 
 DELTA = 1e-4
 

@@ -9,18 +9,11 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 
-from dpcfl_flwr.privacy import (
-    DEFAULT_ORDERS,
-    GaussianSteps,
-    PrivacyBudget,
-    PrivacyLedger,
-    Selection,
-    plan_noise,
-    rdp_to_dp,
-    selection_rdp,
-    steps_per_round,
-    two_stage_schedule,
-)
+from dpcfl_flwr.privacy.budget import plan_noise
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
+from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS, rdp_to_dp
+from dpcfl_flwr.privacy.schedule import steps_per_round, two_stage_schedule
+from dpcfl_flwr.privacy.selection import selection_rdp
 
 DELTA = 1e-4
 

@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpcfl_flwr.privacy import accuracy_sensitivity, select_cluster, selection_probabilities
+from dpcfl_flwr.privacy.selection import (
+    accuracy_sensitivity,
+    select_cluster,
+    selection_probabilities,
+)
 
 
 def test_empirical_selection_frequencies_match_softmax_probabilities():

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dpcfl_flwr.deploy.localhost import free_port
-from dpcfl_flwr.deploy.processes import descendants
+from dpcfl_flwr.runs.processes import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 SILOS = 4

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dpcfl_flwr.deploy.processes import descendants
-from dpcfl_flwr.privacy import PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.runs.processes import descendants
 from dpcfl_flwr.strategies.checkpoint import CHECKPOINT, read_checkpoint
 
 ROUNDS = 6

@@ -266,7 +266,7 @@ def test_a_stop_request_outlives_only_an_engine_failure():
     """After a run the ServerApp ended, nothing is left to stop a later run or strategy in
     this process; after a failure of the engine itself, a ServerApp thread still running is
     asked to stop (the interpreter would wait for it)."""
-    from dpcfl_flwr.simulation import _server_app_ends
+    from dpcfl_flwr.runs.simulation import _server_app_ends
     from dpcfl_flwr.strategies import TooFewSilos
     from dpcfl_flwr.strategies.exchange import stop_requested
 

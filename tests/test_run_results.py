@@ -12,10 +12,10 @@ import pytest
 from flwr.app import Error, Message
 from rich.console import Console
 
-from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.progress import summary_table
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.protocol import METRICS, SILO, SILO_FAILED, ModelLayout
-from dpcfl_flwr.results import RunRecorder, minority_cluster, structure_found
+from dpcfl_flwr.results.recorder import RunRecorder, minority_cluster, structure_found
+from dpcfl_flwr.runs.progress import summary_table
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
 

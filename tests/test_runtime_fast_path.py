@@ -141,9 +141,9 @@ def test_object_requests_skip_flowers_routing_and_get_flowers_answers(
 
 
 def test_install_only_on_the_known_flower_version(monkeypatch):
-    monkeypatch.setattr(flower_compat, "TUNING", False)
+    monkeypatch.setattr(flower_compat.gate, "TUNING", False)
     assert not runtime_fast_path.install()
-    monkeypatch.setattr(flower_compat, "TUNING", True)
+    monkeypatch.setattr(flower_compat.gate, "TUNING", True)
     assert runtime_fast_path.install()
     assert isinstance(superlink_main.create_app(), ObjectRequestsFastPath)
 

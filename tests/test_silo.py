@@ -9,10 +9,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.methods.base import ServerState
 from dpcfl_flwr.methods.rdpcfl import RDPCFL
-from dpcfl_flwr.privacy import GaussianSteps, PrivacyLedger, Selection
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyLedger, Selection
 from dpcfl_flwr.protocol import (
     ARRAYS,
     BUDGET_EXCEEDED,
@@ -27,7 +27,7 @@ from dpcfl_flwr.protocol import (
     model_records,
 )
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import MAX_PLANS, BudgetExceeded, Schedule, Silo
+from dpcfl_flwr.silo.silo import MAX_PLANS, BudgetExceeded, Schedule, Silo
 
 N = 80
 
@@ -80,7 +80,7 @@ def test_a_plan_is_kept_only_once_a_round_is_charged(experiment):
 
 
 def test_a_ledger_keeps_at_most_its_limit_of_plans(experiment, monkeypatch):
-    monkeypatch.setattr("dpcfl_flwr.silo.MAX_PLANS", 3)
+    monkeypatch.setattr("dpcfl_flwr.silo.silo.MAX_PLANS", 3)
     silo = _silo(experiment)
     for run_key in range(1, 6):
         silo.plan(_schedule(experiment), run_key)

@@ -1,4 +1,4 @@
-"""The silo owns its result (issue 27, item 2): at every evaluation it writes the model it would
+"""The silo owns its result: at every evaluation it writes the model it would
 use beside its ledger, marks the run's last one final, and the file loads into a model whose
 accuracy on the silo's test split is the one reported."""
 
@@ -14,15 +14,15 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from dpcfl_flwr.client_app import app as client_app
-from dpcfl_flwr.config import parse_node_config, parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
+from dpcfl_flwr.dpsgd.training import evaluate
 from dpcfl_flwr.methods.base import INITIAL, ServerState
 from dpcfl_flwr.methods.rdpcfl import RDPCFL
 from dpcfl_flwr.protocol import ARRAYS, CONFIG, METRICS, OWN, OWN_MODEL
+from dpcfl_flwr.runs.simulation import run_simulation
 from dpcfl_flwr.server_app import initial_arrays
-from dpcfl_flwr.silo import Silo
-from dpcfl_flwr.silo_model import load_silo_model, model_files, model_path, read_metadata
-from dpcfl_flwr.simulation import run_simulation
-from dpcfl_flwr.training import evaluate
+from dpcfl_flwr.silo.kept_model import load_silo_model, model_files, model_path, read_metadata
+from dpcfl_flwr.silo.silo import Silo
 
 ROUNDS = 4
 

@@ -46,7 +46,7 @@ def test_a_silo_whose_records_are_readable_prints_its_plan(tmp_path):
 
 
 def test_the_plan_says_what_earlier_runs_already_spent(tmp_path):
-    from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
+    from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger
 
     ledger = PrivacyLedger()
     ledger.record([GaussianSteps(5.0, 1.0, 3, round=1)])

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.privacy import GaussianSteps, PrivacyBudget, PrivacyLedger
-from dpcfl_flwr.simulation import run_simulation
+from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.runs.simulation import run_simulation
 
 ROUNDS = 8
 SHRUNK = {

@@ -7,7 +7,8 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from dpcfl_flwr.config import ConfigError, parse_run_config
+from dpcfl_flwr.config.settings import ConfigError, parse_run_config
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
@@ -27,7 +28,6 @@ from dpcfl_flwr.protocol import (
 )
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
-from dpcfl_flwr.training import DPSGDConfig, train_dp
 
 from .grid_double import GridDouble
 from .scripted_silos import NODE, TRUTH, ScriptedSilo

@@ -11,10 +11,10 @@ import pytest
 from flwr.app import Error, Message
 from rich.console import Console
 
-from dpcfl_flwr.config import parse_run_config
-from dpcfl_flwr.progress import describe_round, summary_table
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.protocol import METRICS, SILO_FAILED, ModelLayout, one_record
-from dpcfl_flwr.results import RunRecorder
+from dpcfl_flwr.results.recorder import RunRecorder
+from dpcfl_flwr.runs.progress import describe_round, summary_table
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import TooFewSilos, build_strategy, silos
 from dpcfl_flwr.strategies.exchange import RunInterrupted, exchange, stop_requested

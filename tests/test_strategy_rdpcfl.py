@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import ARRAYS, SELECT, ModelLayout, cluster_key, model_records
 from dpcfl_flwr.server_app import initial_arrays

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpcfl_flwr.config import parse_run_config
+from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.protocol import ModelLayout
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy

@@ -291,9 +291,9 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
 
 
 def test_install_patches_only_with_the_tuning_on(monkeypatch):
-    monkeypatch.setattr(flower_compat, "TUNING", False)  # another Flower, or switched off
+    monkeypatch.setattr(flower_compat.gate, "TUNING", False)  # another Flower, or switched off
     assert not superlink.install(10.0, 1.0)
-    monkeypatch.setattr(flower_compat, "TUNING", True)
+    monkeypatch.setattr(flower_compat.gate, "TUNING", True)
     assert not superlink.install(0.0, 1.0)  # --pull-hold 0: Flower's behaviour
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from dpcfl_flwr.dpsgd.training import DPSGDConfig, configure_threads, evaluate, train_dp
 from dpcfl_flwr.models import build_model
-from dpcfl_flwr.training import DPSGDConfig, configure_threads, evaluate, train_dp
 
 
 def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ def test_configure_threads_sets_torch():
 _PEAK_SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
     from dpcfl_flwr.models import build_model
-    from dpcfl_flwr.training import DPSGDConfig, train_dp
+    from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
     torch.set_num_threads(1)
     n = int(sys.argv[1])
     x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))

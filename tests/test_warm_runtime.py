@@ -19,7 +19,7 @@ from flwr.supercore.run import Run
 
 import dpcfl_flwr
 from dpcfl_flwr import app_pin
-from dpcfl_flwr.config import parse_node_config
+from dpcfl_flwr.config.settings import parse_node_config
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
 from dpcfl_flwr.flower_compat import warm_runtime
 from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
@@ -75,11 +75,12 @@ def test_the_fab_built_from_the_installed_package_is_accepted(fab):
     # a top-level package would shadow the real one on the app's sys.path
     (lambda fab: _added(fab, "torch/__init__.py", b"import os\n"), "it ships torch/__init__.py"),
     (lambda fab: _added(fab, "README.md", b"hello\n"), "it ships README.md"),
-    (lambda fab: _added(fab, "./dpcfl_flwr/silo.py", b"x = 1\n"), "non-canonical name"),
-    (lambda fab: _added(fab, "dpcfl_flwr/silo.py", b"x = 1\n"), "ships dpcfl_flwr/silo.py twice"),
+    (lambda fab: _added(fab, "./dpcfl_flwr/silo/silo.py", b"x = 1\n"), "non-canonical name"),
+    (lambda fab: _added(fab, "dpcfl_flwr/silo/silo.py", b"x = 1\n"),
+     "ships dpcfl_flwr/silo/silo.py twice"),
     (lambda fab: _rewritten(fab, _edited("pyproject.toml", lambda data: data.replace(
-        b'clientapp = "dpcfl_flwr.client_app:app"', b'clientapp = "dpcfl_flwr.silo:app"'))),
-     "its ClientApp is 'dpcfl_flwr.silo:app'"),
+        b'clientapp = "dpcfl_flwr.client_app:app"', b'clientapp = "dpcfl_flwr.silo.silo:app"'))),
+     "its ClientApp is 'dpcfl_flwr.silo.silo:app'"),
     (lambda fab: _rewritten(fab, _edited("pyproject.toml", lambda data: b"not toml = [")),
      "its pyproject.toml is not a Flower app's"),
     (lambda fab: b"not a zip", "not a readable FAB"),

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..data import DataError, load_dataset, normalisation
 from ..models import MODEL_NAMES, build_model, count_parameters
-from ..silo_model import load_silo_model
+from ..silo.kept_model import load_silo_model
 from .dlg import ACTIVATIONS, PRIVATISERS, attack_model
 from .sweep import markdown_table, random_image_mse, run_sweep, write_report
 

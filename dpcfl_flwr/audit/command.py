@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..data import DataError
 from ..models import MODEL_NAMES, count_parameters
-from ..privacy import ACCOUNTANTS, Accountant
+from ..privacy.history import ACCOUNTANTS, AccountantName
 from .run import AuditResult, AuditSettings, noise_for_epsilon, run_audit
 from .setting import SYNTHETIC, image_silo, synthetic_silo
 
@@ -133,7 +133,7 @@ def _settings(noise: float | None, epsilon: float | None, records: int, batch: i
         return AuditSettings(noise_multiplier=z, batch_size=batch, clip_norm=clip,
                              learning_rate=lr, rounds=rounds, epochs=epochs,
                              canaries=canaries, guesses=guesses, confidence=confidence,
-                             delta=delta, accountant=cast(Accountant, accountant),
+                             delta=delta, accountant=cast(AccountantName, accountant),
                              noiseless=noiseless)
     if noise is not None:
         if not noise > 0:

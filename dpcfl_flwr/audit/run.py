@@ -1,6 +1,6 @@
 """One audit run: a silo's DP-SGD with gradient canaries, the membership test, the bound.
 
-Design (issue 30 item 3; docs/privacy.md#auditing-the-guarantee). We use the one-run audit
+Design (docs/privacy.md#auditing-the-guarantee). We use the one-run audit
 of Steinke, Nasr & Jagielski (2023) rather than many runs with Clopper-Pearson bounds on
 TPR / FPR: one training run gives m independent membership trials at once, where the classic
 audit needs hundreds of runs for the same statistical strength, which a CPU cannot afford.
@@ -8,9 +8,9 @@ The canaries are gradient canaries (:mod:`.canaries`): the white-box setting, th
 one-run audit and the cheapest, since a canary costs one vector entry per step, no forward or
 backward pass.
 
-What is audited is our training path itself: :func:`dpcfl_flwr.training.train_dp`, round after
+What is audited is our training path itself: :func:`dpcfl_flwr.dpsgd.training.train_dp`, round after
 round, with its Poisson sampling, per-sample clipping and noise at the silo's z; the canaries
-enter through its :class:`~dpcfl_flwr.training.AuditHook`, summed with the batch's clipped
+enter through its :class:`~dpcfl_flwr.dpsgd.training.AuditHook`, summed with the batch's clipped
 gradients before the noise. The claimed epsilon is what our accountant charges for exactly the
 steps the run took (the ledger entries train_dp returned). ``noiseless`` switches the noise
 off while the claim stays that of z: a broken privatiser the audit must catch.
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..privacy.calibration import calibrate_noise_multiplier
-from ..privacy.pld import Accountant, accounted_epsilon, calibrate_noise_multiplier_pld
+from ..dpsgd.training import AuditHook, DPSGDConfig, round_cost, train_dp
+from ..privacy.accountants import AccountantName, accountant_named
+from ..privacy.history import History
 from ..privacy.schedule import GaussianPhase
-from ..training import AuditHook, DPSGDConfig, round_cost, train_dp
 from .bound import audit_bound
 from .canaries import DiracCanaries, flat_parameters, guess_membership
 
@@ -57,7 +57,7 @@ class AuditSettings:
     guesses: int | None = None
     confidence: float = 0.95
     delta: float = 1e-5
-    accountant: Accountant = "pld"
+    accountant: AccountantName = "pld"
     noiseless: bool = False
 
     def __post_init__(self) -> None:
@@ -108,9 +108,8 @@ def noise_for_epsilon(records: int, settings: AuditSettings, target_epsilon: flo
     rate b / N) spends ``target_epsilon`` at the settings' delta, by its accountant."""
     cost = round_cost(records, settings.batch_size, settings.epochs, 1.0)
     phases = [GaussianPhase(cost.sample_rate, cost.steps * settings.rounds)]
-    if settings.accountant == "pld":
-        return calibrate_noise_multiplier_pld(phases, target_epsilon, settings.delta)
-    return calibrate_noise_multiplier(phases, target_epsilon, settings.delta)
+    return accountant_named(settings.accountant).calibrate(phases, target_epsilon,
+                                                           settings.delta)
 
 
 def run_audit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: AuditSettings,
@@ -138,7 +137,8 @@ def run_audit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Audi
     scores = canaries.scores(start, flat_parameters(model))
     each = settings.guesses_each
     guesses = guess_membership(scores, canaries.included, each, each)
-    claimed = accounted_epsilon(runs, [], settings.delta, settings.accountant)
+    claimed = accountant_named(settings.accountant).epsilon(History(tuple(runs)),
+                                                            settings.delta)
     bound = audit_bound(canaries.count, guesses.made, guesses.correct, settings.delta,
                         settings.confidence)
     return AuditResult(

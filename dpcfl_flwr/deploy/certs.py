@@ -143,3 +143,15 @@ def make_certificates(out: Path, server_names: Sequence[str], node_names: Sequen
     for name in node_names:
         make_node_keys(out / "nodes", name)
     return paths
+
+
+def certificate_problems(path: Path) -> list[str]:
+    """Why ``path`` is not a readable PEM certificate (a CA for a SuperNode or a SuperLink), one
+    line each; empty when it is."""
+    try:
+        x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as exc:
+        return [f"root-certificates {path}: {exc.strerror or exc}"]
+    except ValueError:
+        return [f"root-certificates {path}: not a PEM certificate"]
+    return []

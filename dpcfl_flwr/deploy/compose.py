@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..config import ExperimentConfig, parse_run_config
+from ..config.settings import ExperimentConfig, parse_run_config
 from ..data import Topology
 
 IMAGE = "dpcfl-flwr:0.1.0"

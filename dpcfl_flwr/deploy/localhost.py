@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .processes import descendants
+from ..runs.processes import descendants
 
 DPCFL = [str(Path(sys.executable).parent / "dpcfl")]
 FLWR = str(Path(sys.executable).parent / "flwr")

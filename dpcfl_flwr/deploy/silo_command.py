@@ -12,9 +12,10 @@ from pathlib import Path
 import typer
 
 from .. import app_pin
-from ..config import ConfigError, SiloConfig
+from ..config.settings import ConfigError, SiloConfig
 from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
 from ..flower_compat.environment import use_this_environment
+from ..privacy.history import DEFAULT_ACCOUNTANT
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .supervision import (
     console,
@@ -166,15 +167,15 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
 
 
 def _model_pattern(ledger_path: str) -> str:
-    from ..silo_model import model_path  # noqa: PLC0415 (torch, only when it is needed)
+    from ..silo.kept_model import model_path  # noqa: PLC0415 (torch, only when it is needed)
 
     return str(model_path(ledger_path, "<run id>"))
 
 
 def _print_models(ledger_path: str, since: float) -> None:
-    """One line per model file this silo wrote while it ran (:mod:`dpcfl_flwr.silo_model`):
+    """One line per model file this silo wrote while it ran (:mod:`dpcfl_flwr.silo.kept_model`):
     where its result is, once the SuperNode has ended."""
-    from ..silo_model import describe, model_files, read_metadata  # noqa: PLC0415
+    from ..silo.kept_model import describe, model_files, read_metadata  # noqa: PLC0415
 
     for path in model_files(ledger_path):
         if path.stat().st_mtime < since:
@@ -188,7 +189,7 @@ def _print_models(ledger_path: str, since: float) -> None:
 
 def _spent_so_far(node: SiloConfig) -> str:
     """What the silo's ledger already holds: earlier runs' spend is not available to this one."""
-    from ..privacy import PrivacyBudget, PrivacyLedger  # noqa: PLC0415
+    from ..privacy.ledger import PrivacyBudget, PrivacyLedger
 
     assert node.epsilon is not None and node.delta is not None  # resolved
     try:
@@ -198,7 +199,7 @@ def _spent_so_far(node: SiloConfig) -> str:
     if not ledger.entries:
         return "new: nothing spent yet"
     spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta,
-                                       accountant=node.accountant or "rdp"))
+                                       accountant=node.accountant or DEFAULT_ACCOUNTANT))
     return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
             f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 

@@ -14,7 +14,7 @@ warm = true                                 # the SuperNode answers all messages
 idle-poll = 0.5                             # seconds between SuperLink polls when idle
                                             # (Flower's own SuperNode waits 3)
 
-[node]                                      # read by the ClientApp (dpcfl_flwr.config.SiloConfig)
+[node]                                      # read by the ClientApp (config.settings.SiloConfig)
 partition-id = 0
 true-cluster = 0                            # evaluation only
 epsilon = 10.0                              # required: the silo's budget ...
@@ -39,8 +39,8 @@ device = "cpu"
 
 ``epsilon``, ``delta`` and ``ledger-path`` must be set (``dpcfl client`` refuses to start
 without them, and so does the ClientApp); an unset split or reporting key takes the default
-written in :class:`~dpcfl_flwr.config.SiloConfig`, never the run config's. Relative paths are
-relative to the file. Everything is checked before anything starts.
+written in :class:`~dpcfl_flwr.config.settings.SiloConfig`, never the run config's. Relative
+paths are relative to the file. Everything is checked before anything starts.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
-from ..config import SiloConfig, parse_node_config, parse_run_config
+from ..config.settings import SiloConfig, parse_node_config, parse_run_config
+from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..flower_compat.environment import flower_tool
-from ..validation import ConfigError, ConfigModel, one_line_error
+from .certs import certificate_problems
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
 PATH_KEYS_NODE = ("ledger-path", "data-dir")
@@ -127,7 +127,7 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
         problems.append(str(exc))
     else:
         if not settings.data_dir or Path(settings.data_dir).is_dir():  # else said below
-            from ..silo import records_problem  # noqa: PLC0415 (torch, once flags parse)
+            from ..silo.silo import records_problem  # noqa: PLC0415 (torch, once flags parse)
 
             problems += [problem for problem in [records_problem(settings)] if problem]
     if silo.insecure and silo.root_certificates:
@@ -136,7 +136,7 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
         problems.append("TLS needs root-certificates (the CA of the SuperLink); pass "
                         "--insecure only for local experiments")
     if silo.root_certificates:
-        problems += _check_certificate(Path(silo.root_certificates))
+        problems += certificate_problems(Path(silo.root_certificates))
     if silo.auth_private_key:
         if silo.insecure:
             problems.append("node authentication (auth-private-key) requires TLS")
@@ -156,16 +156,6 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
     if flower_tool("flower-supernode") is None:
         problems.append("flower-supernode is not on PATH (install flwr==1.39.0)")
     return problems
-
-
-def _check_certificate(path: Path) -> list[str]:
-    try:
-        x509.load_pem_x509_certificate(path.read_bytes())
-    except OSError as exc:
-        return [f"root-certificates {path}: {exc.strerror or exc}"]
-    except ValueError:
-        return [f"root-certificates {path}: not a PEM certificate"]
-    return []
 
 
 def _check_node_key(path: Path) -> list[str]:

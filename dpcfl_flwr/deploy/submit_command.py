@@ -12,8 +12,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
+from ..config.config_file import flat_keys, toml_value
 from ..flower_compat.environment import flower_tool, use_this_environment
-from ..simulation import _toml_value, flat_keys
 from .runs import StreamWatch, final_status, follow_hint
 from .superlink import ServerSettings, write_connection
 from .supervision import (
@@ -50,7 +50,8 @@ def submit(
              "this is, from its last completed round."),
 ) -> None:
     """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
-    from ..simulation import AlreadyFinished, load_config, parse_override, resumed_experiment
+    from ..config.config_file import load_config, parse_override
+    from ..runs.simulation import AlreadyFinished, resumed_experiment
 
     if not insecure and root_certificates is None:
         stop(["TLS needs --root-certificates (or --insecure for local experiments)"])
@@ -74,7 +75,7 @@ def submit(
     settings.certs = None if root_certificates is None else root_certificates.parent
     home = write_connection(settings, root_certificates).parent
     run_config = home / "dpcfl-run-config.toml"
-    run_config.write_text("".join(f"{k} = {_toml_value(v)}\n"
+    run_config.write_text("".join(f"{k} = {toml_value(v)}\n"
                                   for k, v in experiment.to_run_config().items()))
     command = [flower_tool("flwr") or "flwr", "run", str(app_dir), SUBMIT_CONNECTION,
                "--run-config", str(run_config)]

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..flower_compat import IN_MEMORY_DATABASE
 from ..flower_compat.environment import flower_tool
-from .silo_file import _check_certificate
+from .certs import certificate_problems
 from .superlink_launcher import DEFAULT_PULL_HOLD
 
 
@@ -78,7 +78,7 @@ def check_server(s: ServerSettings) -> list[str]:
                 if not (s.certs / name).is_file():
                     problems.append(f"{s.certs / name} is missing")
             if (s.certs / "ca.crt").is_file():
-                problems += _check_certificate(s.certs / "ca.crt")
+                problems += certificate_problems(s.certs / "ca.crt")
     for address in (s.fleet_address, s.api_address):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():

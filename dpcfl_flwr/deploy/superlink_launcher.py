@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from ..flower_compat import run_superlink
-from .processes import exit_code_of
+from ..runs.processes import exit_code_of
 
 DEFAULT_PULL_HOLD = 10.0  # seconds; an idle SuperNode then polls ~6x a minute
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from ..flower_compat import SUPPORTED_FLOWER, installed_flower, pin_supported
-from .processes import exit_code_of
+from ..runs.processes import exit_code_of
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp

@@ -56,7 +56,7 @@ def topology_silos(
 ) -> None:
     """Write one silo file per client of a topology (clients/silo-NN.toml): each with its own
     budget, ledger path and data split."""
-    from ..simulation import load_config, parse_override
+    from ..config.config_file import load_config, parse_override
 
     try:
         values = dict(parse_override(o) for o in overrides or [])

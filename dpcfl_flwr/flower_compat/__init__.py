@@ -11,16 +11,11 @@ only after the gate said yes (and a silo's launcher, ``deploy/supernode_launcher
 :func:`.supernode.run_supernode` once :func:`pin_supported` said yes). What each one changes
 and what a closed gate gives up: docs/deployment.md#flower-internals-one-package-one-gate.
 
-The gate, decided once when this module is first imported (before any internal import):
-
-- :data:`SUPPORTED_FLOWER` is the Flower release every patch and private import was written
-  against and tested on; the installed release is read from the package metadata
-  (``importlib.metadata.version("flwr")``), not from Flower's own modules.
-- :data:`TUNING` is true when the two match and the operator did not switch the tuning off
-  with the environment variable ``DPCFL_FLOWER_TUNING=0`` (:data:`SWITCH`).
-- Otherwise one warning line (logger ``dpcfl_flwr``, once per process) says the tuning is
-  skipped, nothing internal is imported, and the app runs on stock Flower: a simulation goes
-  through the public ``flwr.simulation.run_simulation`` and polls at a fixed period.
+The gate (:mod:`.gate`) is decided once per process, before any internal import: the installed
+Flower must be :data:`~.gate.SUPPORTED_FLOWER` and the operator must not have switched the
+tuning off (``DPCFL_FLOWER_TUNING=0``); otherwise one warning line says so and the app runs on
+stock Flower: a simulation goes through the public ``flwr.simulation.run_simulation`` and
+polls at a fixed period.
 
 Only latency is ever given up this way. The SuperNode's app pin (a silo refuses a FAB whose
 code is not the installed one) needs Flower's SuperNode internals too; it is not tuning, so
@@ -31,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import logging
 import os
 import sys
 import time
@@ -39,67 +33,24 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
 from typing import Any, cast
 
-logger = logging.getLogger("dpcfl_flwr")
-
-#: The Flower release the private imports and patches of this package are written for.
-SUPPORTED_FLOWER = "1.39.0"
-#: Set to ``0`` to run on stock Flower even on :data:`SUPPORTED_FLOWER` (e.g. to compare).
-SWITCH = "DPCFL_FLOWER_TUNING"
-#: Flower 1.39's largest array chunk in bytes (``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``: 5 MiB,
-#: overridden by the environment variable of that name), used while the gate is closed.
-FALLBACK_ARRAY_CHUNK_BYTES = 5 * 2**20
-#: ``flower-superlink --database`` for a state kept in memory (Flower 1.39's CLI value).
-IN_MEMORY_DATABASE = ":flwr-in-memory:"
-#: Said to a SuperNode whose activation is refused (Flower's own answer is only "Failed to
-#: activate SuperNode." in both cases, the reason only in the SuperLink's log; see
-#: :mod:`.superlink`). A silo's supervisor reads these words (``dpcfl client``): keep them.
-KEY_NOT_REGISTERED = "this SuperNode's public key is not registered with the SuperLink"
-NODE_ONLINE = "a SuperNode with this public key is online"
-
-
-def installed_flower() -> str | None:
-    """The installed Flower release from its package metadata; None if it is not installed."""
-    try:
-        return importlib.metadata.version("flwr")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def pin_supported() -> bool:
-    """Whether the installed Flower is the one whose SuperNode internals the app pin uses.
-    Not switched off by :data:`SWITCH`: without the pin a silo does not start at all."""
-    return installed_flower() == SUPPORTED_FLOWER
-
-
-def require_pin(module: str) -> None:
-    """Raise ImportError in ``module`` (a runtime of the app pin) unless :func:`pin_supported`:
-    its imports of Flower's internals would fail, or worse, bind to other behaviour."""
-    if not pin_supported():
-        raise ImportError(f"{module} is written for flwr {SUPPORTED_FLOWER}'s internals, "
-                          f"not {installed_flower()}")
-
-
-def _gate() -> bool:
-    """Whether the tuning is on; logs one line when it is not."""
-    if os.environ.get(SWITCH, "1").strip() == "0":
-        logger.warning("Flower tuning switched off (%s=0): the app runs on stock Flower", SWITCH)
-        return False
-    installed = installed_flower()
-    if installed != SUPPORTED_FLOWER:
-        logger.warning("Flower %s is installed, the tuning is written for %s: it is skipped "
-                       "and the app runs on stock Flower", installed, SUPPORTED_FLOWER)
-        return False
-    return True
-
-
-#: True when the internal tuning is used (see the module's docstring).
-TUNING = _gate()
+from . import gate
+from .gate import (
+    FALLBACK_ARRAY_CHUNK_BYTES,
+    IN_MEMORY_DATABASE,
+    KEY_NOT_REGISTERED,
+    NODE_ONLINE,
+    SUPPORTED_FLOWER,
+    SWITCH,
+    installed_flower,
+    pin_supported,
+    require_pin,
+)
 
 
 def in_process_grid(grid: Any) -> bool:
     """Whether ``grid`` is the simulation engine's in-memory grid (the ServerApp shares its
     process with the engine, so a poll costs next to nothing), not a deployment's."""
-    if TUNING:
+    if gate.TUNING:
         from .engine import is_in_memory_grid
 
         return is_in_memory_grid(grid)
@@ -109,7 +60,7 @@ def in_process_grid(grid: Any) -> bool:
 def wait_for_replies(grid: Any, seconds: float) -> None:
     """Wait ``seconds`` (>= 0) for replies on ``grid``; with the tuning on, a simulation's
     wait ends as soon as the engine stores a reply. Without it: a plain sleep."""
-    if TUNING:
+    if gate.TUNING:
         from .engine import wait_for_replies as woken_wait
 
         woken_wait(grid, seconds)
@@ -122,7 +73,7 @@ def array_chunk_size() -> int:
     """The largest array chunk Flower sends in one piece, in bytes: a model up to this size
     travels as plain bytes (``protocol.pack``). Flower's own constant with the tuning on; with
     the gate closed the same formula as Flower 1.39's (:data:`FALLBACK_ARRAY_CHUNK_BYTES`)."""
-    if TUNING:
+    if gate.TUNING:
         from .engine import flower_array_chunk_size
 
         return flower_array_chunk_size()
@@ -133,7 +84,7 @@ def array_chunk_size() -> int:
 def signals_left_to_caller() -> Iterator[None]:
     """While the block runs, ``ray.init`` leaves this process's SIGTERM handler alone (tuning
     on); without the tuning Ray installs its own, and only Ctrl-C stops a simulation cleanly."""
-    if not TUNING:
+    if not gate.TUNING:
         yield
         return
     from .engine import signals_left_to_us
@@ -151,7 +102,7 @@ def run_simulation(*, num_supernodes: int, server_app: str, client_app: str,
     ``app_dir`` is an app directory whose ``pyproject.toml`` holds the run config; the tuned
     path runs it through Flower's runtime with the woken dispatcher and Ray's inline
     messages, the stock path hands the apps to ``flwr.simulation.run_simulation``."""
-    if TUNING:
+    if gate.TUNING:
         from .engine import run_tuned_simulation
 
         run_tuned_simulation(num_supernodes=num_supernodes, server_app=server_app,
@@ -170,7 +121,7 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
     holding an empty SuperNode poll up to ``pull_hold`` seconds (:mod:`.superlink`); without
     it, stock Flower (its ``flower-superlink`` console script). Returns or raises SystemExit
     as Flower's SuperLink does."""
-    if TUNING:
+    if gate.TUNING:
         from .superlink import run_superlink as run_tuned_superlink
 
         run_tuned_superlink(flower_arguments, pull_hold)
@@ -190,6 +141,6 @@ def flower_command(name: str) -> Callable[[], object]:
 
 
 __all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "IN_MEMORY_DATABASE", "KEY_NOT_REGISTERED",
-           "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "TUNING", "array_chunk_size",
+           "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "array_chunk_size",
            "flower_command", "in_process_grid", "installed_flower", "pin_supported", "require_pin",
            "run_simulation", "run_superlink", "signals_left_to_caller", "wait_for_replies"]

@@ -50,9 +50,9 @@ class ControlPathsOnly:
 def install() -> bool:
     """Wrap the Control-only middlewares of the app ``flwr.superlink.main`` builds; False
     (nothing changed) with the tuning off: another Flower's middlewares may act differently."""
-    from . import TUNING
+    from . import gate
 
-    if not TUNING:
+    if not gate.TUNING:
         return False
     from flwr.superlink import main as superlink_main
     from flwr.superlink.routers.control import middlewares as control
@@ -71,3 +71,11 @@ def install() -> bool:
 
     superlink_main._get_middleware = lean_middleware
     return True
+
+
+def superlink_app() -> Any:
+    """The SuperLink's FastAPI app as ``flwr.superlink.main`` builds it now (Flower's stack,
+    or the lean one after :func:`install`): what bench/runtime_api_requests.py times."""
+    from flwr.superlink import main as superlink_main
+
+    return superlink_main.create_app()

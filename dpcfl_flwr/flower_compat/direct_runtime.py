@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
-from . import require_pin
+from .gate import require_pin
 
 require_pin(__name__)  # the gate runs before the internal imports below
 

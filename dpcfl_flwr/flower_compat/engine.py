@@ -143,7 +143,7 @@ def signals_left_to_us() -> Iterator[None]:
     """Keep ``ray.init`` from replacing the SIGTERM handler of this process while the block
     runs. Ray's raises SystemExit in the main thread, wherever Flower's engine loop is, so
     Flower's worker threads log every running task's ActorDiedError; the caller's handler
-    stops the ServerApp and lets Flower shut Ray down (``dpcfl_flwr/simulation.py``)."""
+    stops the ServerApp and lets Flower shut Ray down (``dpcfl_flwr/runs/simulation.py``)."""
     import ray._private.utils as ray_utils
 
     rays_own = ray_utils.set_sigterm_handler

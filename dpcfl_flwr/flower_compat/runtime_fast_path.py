@@ -146,9 +146,9 @@ class ObjectRequestsFastPath:
 def install() -> bool:
     """Put the fast path around the app ``flower-superlink`` serves; False (nothing changed)
     with the tuning off, or when an extension or event-log plugin is configured."""
-    from . import TUNING
+    from . import gate
 
-    if not TUNING:
+    if not gate.TUNING:
         return False
     from flwr.superlink import extensions
     from flwr.superlink import main as superlink_main

@@ -50,7 +50,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import KEY_NOT_REGISTERED, NODE_ONLINE
+from .gate import KEY_NOT_REGISTERED, NODE_ONLINE
 
 REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
 
@@ -283,9 +283,9 @@ def install(hold: float, reply_hold: float) -> bool:
     """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
     where nothing is changed, and with ``hold`` 0, where only refused activations are
     explained)."""
-    from . import TUNING
+    from . import gate
 
-    if not TUNING:
+    if not gate.TUNING:
         return False
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer

@@ -235,11 +235,11 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
-    from . import TUNING
+    from . import gate
     from .direct_runtime import serve_in_supernode
 
     reply_stored = threading.Event()
-    if TUNING:
+    if gate.TUNING:
         import uvicorn
 
         slow_runtime_api_tick(uvicorn.Server)

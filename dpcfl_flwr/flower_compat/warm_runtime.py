@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import subprocess
@@ -36,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import require_pin
+from .gate import require_pin
 
 require_pin(__name__)  # the gate runs before the internal imports below
 
@@ -239,10 +240,20 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     if args.parent_pid is not None:
         start_parent_process_monitor(args.parent_pid)
-    from dpcfl_flwr.client_app import app  # noqa: PLC0415 (torch only once arguments parse)
+    app = _installed_client_app()  # after the arguments parse: it imports torch
 
     with contextlib.suppress(KeyboardInterrupt):  # the parent monitor: the SuperNode is gone
         WarmRuntime(args.runtime_api_address, app, args.poll_seconds).serve()
+
+
+def _installed_client_app() -> ClientApp:
+    """The installed package's ClientApp, loaded by reference as Flower loads a FAB's (the
+    pin, :mod:`..app_pin`, makes sure the FAB's reference names this same code)."""
+    module, _, attribute = app_pin.CLIENTAPP.partition(":")
+    app = getattr(importlib.import_module(module), attribute)
+    if not isinstance(app, ClientApp):
+        raise TypeError(f"{app_pin.CLIENTAPP} is not a ClientApp")
+    return app
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from ..aggregation import RuleSettings, UpdateFacts, cluster_means
+from ..config.validation import ConfigModel
 from ..privacy.schedule import Schedule
 from ..protocol import WireModel
-from ..validation import ConfigModel
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..config.settings import ExperimentConfig
 
 #: Assignment of a round whose silos train theta_init and belong to no cluster yet (R-DPCFL's
 #: round 1, k-means' first round, Local's first round).
@@ -124,7 +124,7 @@ class ServerState:
 class Method(ABC):
     """A federated method's server-side decisions (see the module docstring).
 
-    Subclasses set :attr:`name` (and register with :func:`dpcfl_flwr.registry.register`),
+    Subclasses set :attr:`name` (and register with :func:`dpcfl_flwr.config.registry.register`),
     :attr:`Params` when they have parameters, and implement :meth:`assign` and
     :meth:`current_cluster`; :meth:`initial_clusters` sizes the server's models."""
 

@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ..config import ExperimentConfig
+from ..config.registry import register
+from ..config.settings import ExperimentConfig
 from ..protocol import SELECT
-from ..registry import register
 from .base import INITIAL, Method, MethodParams, ServerState, TrainReply
 
 logger = logging.getLogger(__name__)

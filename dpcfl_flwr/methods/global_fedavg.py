@@ -8,7 +8,7 @@ server averages their updates with uniform weights.
 
 from __future__ import annotations
 
-from ..registry import register
+from ..config.registry import register
 from .base import Method
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from ..config import ExperimentConfig
+from ..config.registry import register
+from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
 from ..protocol import SELECT
-from ..registry import register
 from .base import Method, SelectionParams, ServerState, TrainReply
 
 

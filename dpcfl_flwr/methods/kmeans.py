@@ -13,8 +13,8 @@ import numpy as np
 from pydantic import Field
 from sklearn.cluster import KMeans
 
-from ..config import ExperimentConfig
-from ..registry import register
+from ..config.registry import register
+from ..config.settings import ExperimentConfig
 from .base import INITIAL, Method, MethodParams, ServerState, TrainReply
 
 

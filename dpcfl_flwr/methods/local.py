@@ -6,8 +6,8 @@ rounds; models never leave the silos, whose replies carry metrics only.
 
 from __future__ import annotations
 
+from ..config.registry import register
 from ..protocol import OWN
-from ..registry import register
 from .base import INITIAL, Method
 
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
+from ..config.registry import register
 from ..protocol import ANCHOR, WireModel, pack
-from ..registry import register
 from .base import Method, MethodParams
 
 

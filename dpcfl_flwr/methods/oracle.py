@@ -7,7 +7,7 @@ schedule at eps_total, no selection. Unlike the authors' code, round 1 is traine
 
 from __future__ import annotations
 
-from ..registry import register
+from ..config.registry import register
 from .base import Method
 
 

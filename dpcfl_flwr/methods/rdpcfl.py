@@ -20,10 +20,10 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from ..clustering import UpdateClusterer, switch_round
-from ..config import ExperimentConfig
+from ..config.registry import register
+from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
 from ..protocol import SELECT
-from ..registry import register
 from .base import INITIAL, Method, SelectionParams, ServerState, TrainReply
 
 logger = logging.getLogger(__name__)

@@ -15,13 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import numpy as np
-
-from .calibration import calibrate_noise_multiplier
-from .pld import Accountant, GaussianRun, accounted_epsilon, calibrate_noise_multiplier_pld
-from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp
+from .accountants import DEFAULT_ACCOUNTANT, AccountantName, accountant_named
+from .history import EMPTY, History
+from .rdp import DEFAULT_ORDERS, Conversion
 from .schedule import GaussianPhase
-from .selection import selection_rdp
 
 BudgetMode = Literal["split", "joint"]
 
@@ -38,7 +35,7 @@ class BudgetSplit:
     epsilon_train: float
     conversion: Conversion
     mode: BudgetMode
-    accountant: Accountant = "rdp"
+    accountant: AccountantName = DEFAULT_ACCOUNTANT
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,7 +44,7 @@ class BudgetSplit:
 def split_budget(
     epsilon_total: float, delta: float, select_rounds: int, select_ratio: float = 0.03,
     conversion: Conversion = "classic", mode: BudgetMode = "split",
-    orders: Sequence[float] = DEFAULT_ORDERS, accountant: Accountant = "rdp",
+    orders: Sequence[float] = DEFAULT_ORDERS, accountant: AccountantName = DEFAULT_ACCOUNTANT,
 ) -> BudgetSplit:
     """Divide eps_total (docs/privacy.md#reference-values). In ``joint`` mode eps_clustering
     and eps_train are not separately meaningful; they are reported as the selections' own
@@ -59,13 +56,8 @@ def split_budget(
     if not 0.0 <= select_ratio < 1.0:
         raise ValueError(f"select ratio must lie in [0, 1), got {select_ratio}")
     eps_select = select_ratio * epsilon_total
-    eps_clustering = 0.0
-    if select_rounds and eps_select > 0 and accountant == "pld":
-        eps_clustering = accounted_epsilon([], [(eps_select, select_rounds)], delta, "pld",
-                                           conversion, orders)
-    elif select_rounds and eps_select > 0:
-        curve = selection_rdp(eps_select, orders) * select_rounds
-        eps_clustering = rdp_to_dp(curve, delta, conversion, orders)[0]
+    eps_clustering = accountant_named(accountant).epsilon(
+        History.of_selections(eps_select, select_rounds), delta, conversion, orders)
     eps_train = epsilon_total - eps_clustering
     if eps_train <= 0:
         raise ValueError(
@@ -99,40 +91,22 @@ def plan_noise(
     phases: Sequence[GaussianPhase], epsilon_total: float, delta: float,
     select_rounds: int = 0, select_ratio: float = 0.03, conversion: Conversion = "classic",
     mode: BudgetMode = "split", orders: Sequence[float] = DEFAULT_ORDERS,
-    extra_rdp: np.ndarray | None = None, accountant: Accountant = "rdp",
-    extra_gaussian: Sequence[GaussianRun] = (),
+    history: History = EMPTY, accountant: AccountantName = DEFAULT_ACCOUNTANT,
 ) -> NoisePlan:
     """Calibrate z for a schedule under eps_total, reserving budget for T_sel selections.
 
-    ``extra_rdp``: the RDP curve (at ``orders``) of other mechanisms the run composes with the
-    training, e.g. a silo's private evaluations; they share eps_train (``split``) or the whole
-    budget (``joint``) with the DP-SGD steps, composed in RDP. ``accountant = "pld"`` takes
-    such mechanisms as ``extra_gaussian`` instead, (z, q, steps), and composes by PLD."""
+    ``history``: other mechanisms the run composes with the training, e.g. a silo's private
+    evaluations; they share eps_train (``split``) or the whole budget (``joint``) with the
+    DP-SGD steps. ``accountant`` measures it all (:mod:`.accountants`)."""
+    if mode not in ("split", "joint"):
+        raise ValueError(f"budget mode must be 'split' or 'joint', got {mode!r}")
     split = split_budget(
         epsilon_total, delta, select_rounds, select_ratio, conversion, mode, orders, accountant
     )
-    if accountant == "pld":
-        if extra_rdp is not None:
-            raise ValueError("the pld accountant composes mechanisms, not RDP curves: pass "
-                             "extra_gaussian")
-        if mode not in ("split", "joint"):
-            raise ValueError(f"budget mode must be 'split' or 'joint', got {mode!r}")
-        joint = mode == "joint"
-        selections = [(split.epsilon_select, select_rounds)] \
-            if joint and select_rounds and split.epsilon_select > 0 else []
-        z = calibrate_noise_multiplier_pld(
-            phases, epsilon_total if joint else split.epsilon_train, delta, conversion,
-            extra_gaussian, selections, orders)
-    elif extra_gaussian:
-        raise ValueError("the rdp accountant takes extra mechanisms as extra_rdp (a curve)")
-    elif mode == "joint":
-        extra = selection_rdp(split.epsilon_select, orders) * select_rounds
-        if extra_rdp is not None:
-            extra = extra + extra_rdp
-        z = calibrate_noise_multiplier(phases, epsilon_total, delta, conversion, extra, orders)
-    elif mode == "split":
-        z = calibrate_noise_multiplier(phases, split.epsilon_train, delta, conversion, extra_rdp,
-                                       orders)
+    if mode == "joint":
+        extra = History.of_selections(split.epsilon_select, select_rounds) + history
+        target = epsilon_total
     else:
-        raise ValueError(f"budget mode must be 'split' or 'joint', got {mode!r}")
+        extra, target = history, split.epsilon_train
+    z = accountant_named(accountant).calibrate(phases, target, delta, conversion, extra, orders)
     return NoisePlan(z, split, tuple(phases))

@@ -27,8 +27,9 @@ from typing import Any, Literal
 import numpy as np
 
 from ..files import write_atomically
-from .pld import Accountant, GaussianRun, SelectionRun, pld_epsilon
-from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
+from .accountants import DEFAULT_ACCOUNTANT, AccountantName, accountant_named
+from .history import History
+from .rdp import DEFAULT_ORDERS, Conversion, sgm_rdp
 from .selection import selection_rdp
 
 LEDGER_FORMAT = 1
@@ -101,13 +102,12 @@ class PrivacyBudget:
     epsilon: float
     delta: float
     conversion: Conversion = "classic"
-    accountant: Accountant = "rdp"
+    accountant: AccountantName = DEFAULT_ACCOUNTANT
 
     def __post_init__(self) -> None:
         if self.epsilon <= 0 or not 0 < self.delta < 1:
             raise ValueError(f"budget needs epsilon > 0 and 0 < delta < 1, got {self}")
-        if self.accountant not in ("rdp", "pld"):
-            raise ValueError(f"accountant must be 'rdp' or 'pld', got {self.accountant!r}")
+        accountant_named(self.accountant)  # ValueError naming the choices
 
 
 def _dp_entries(entries: Iterable[Entry]) -> list[DPEntry]:
@@ -142,42 +142,25 @@ class PrivacyLedger:
         """The ledger of running both histories on the same data."""
         return PrivacyLedger([*self.entries, *other.entries], {**self.meta}, self.orders)
 
+    def history(self, extra: Iterable[Entry] = ()) -> History:
+        """The (eps, delta)-DP mechanisms recorded (plus hypothetical ``extra`` entries), as
+        the accountants read them; d-privacy releases left out."""
+        entries = _dp_entries([*self.entries, *extra])
+        return History(tuple((e.noise_multiplier, e.sample_rate, e.steps) for e in entries
+                             if isinstance(e, GaussianSteps)),
+                       tuple((e.epsilon, e.count) for e in entries if isinstance(e, Selection)))
+
     def rdp(self, extra: Iterable[Entry] = ()) -> np.ndarray:
         """RDP curve of the history (plus hypothetical ``extra`` entries)."""
-        # Group identical mechanisms so that each distinct (z, q) curve is computed once.
-        steps: dict[tuple[float, float], int] = {}
-        total = np.zeros(len(self.orders))
-        for entry in _dp_entries([*self.entries, *extra]):
-            if isinstance(entry, GaussianSteps):
-                key = (entry.noise_multiplier, entry.sample_rate)
-                steps[key] = steps.get(key, 0) + entry.steps
-            else:
-                total = total + entry.rdp(self.orders)
-        for (z, q), n in steps.items():
-            total = total + sgm_rdp(q, z, n, self.orders)
-        return total
-
-    def mechanisms(self, extra: Iterable[Entry] = ()) -> tuple[list[GaussianRun],
-                                                              list[SelectionRun]]:
-        """The history (plus ``extra``) as the PLD accountant takes it: Gaussian runs
-        (z, q, steps) and selections (epsilon, count); d-privacy releases left out."""
-        entries = _dp_entries([*self.entries, *extra])
-        return ([(e.noise_multiplier, e.sample_rate, e.steps) for e in entries
-                 if isinstance(e, GaussianSteps)],
-                [(e.epsilon, e.count) for e in entries if isinstance(e, Selection)])
+        return self.history(extra).rdp(self.orders)
 
     def epsilon(self, delta: float, conversion: Conversion = "classic",
-                extra: Iterable[Entry] = (), accountant: Accountant = "rdp") -> float:
+                extra: Iterable[Entry] = (), accountant: str = DEFAULT_ACCOUNTANT) -> float:
         """eps at ``delta`` of every (eps, delta)-DP mechanism recorded (0 when there is none;
-        d-privacy releases do not count), the whole history under one ``accountant``: with
-        ``pld``, the smaller of its PLD figure and its RDP figure (privacy/pld.py)."""
-        extra = list(extra)
-        if not _dp_entries([*self.entries, *extra]):
-            return 0.0
-        rdp = rdp_to_dp(self.rdp(extra), delta, conversion, self.orders)[0]
-        if accountant == "rdp":
-            return rdp
-        return min(pld_epsilon(*self.mechanisms(extra), delta), rdp)
+        d-privacy releases do not count), the whole history under one ``accountant``
+        (:mod:`.accountants`)."""
+        return accountant_named(accountant).epsilon(self.history(extra), delta, conversion,
+                                                   self.orders)
 
     def spent(self, budget: PrivacyBudget) -> float:
         return self.epsilon(budget.delta, budget.conversion, accountant=budget.accountant)

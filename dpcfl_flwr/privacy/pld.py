@@ -36,37 +36,23 @@ The pure-DP bound for selections is looser than the bounded-range zCDP bound RDP
 (eps^2 / 8 against a worst case near eps^2 / 2); with many selections at a large
 epsilon_select it can lose more there than PLD saves on DP-SGD. Both figures bound the same
 history at the same delta, so the ``pld`` accountant reports the smaller
-(:func:`accounted_epsilon`): never above the RDP figure, and as sound as either.
+(:class:`~.accountants.PldAccountant`): never above the RDP figure, and as sound as either.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Iterable
 
-import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution as PLD
 
-from .calibration import calibrate_noise_multiplier, solve_noise_multiplier
-from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp, sgm_rdp
-from .schedule import GaussianPhase
-from .selection import selection_rdp
-
-Accountant = Literal["rdp", "pld"]
-ACCOUNTANTS: tuple[Accountant, ...] = ("rdp", "pld")
+from .history import GaussianRun, SelectionRun
 
 #: Width (nats) of the grid privacy losses are rounded up to (see the module docstring).
 VALUE_DISCRETIZATION = 1e-4
-
-#: (noise multiplier z, sample rate q, steps): ``steps`` Gaussian steps, Poisson rate q.
-GaussianRun = tuple[float, float, float]
-#: (epsilon_select, count): ``count`` epsilon-DP exponential-mechanism selections.
-SelectionRun = tuple[float, float]
-
 
 @functools.lru_cache(maxsize=8)
 def _sampled_step(noise_multiplier: float, sample_rate: float) -> PLD:
@@ -166,61 +152,3 @@ def _epsilon(key: HistoryKey, delta: float) -> float:
     per process, not once per silo (a composition and its epsilon take 0.1-0.8 s)."""
     composed = _compose(key)
     return 0.0 if composed is None else float(composed.get_epsilon_for_delta(delta))
-
-
-def history_rdp(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = (),
-                orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
-    """RDP curve of the same history (P1, P2, P4), for the comparison and the floor."""
-    total = np.zeros(len(orders))
-    for z, q, steps in gaussian:
-        total = total + sgm_rdp(q, z, steps, orders)
-    for epsilon, count in selections:
-        total = total + selection_rdp(epsilon, orders) * count
-    return total
-
-
-def accounted_epsilon(
-    gaussian: Sequence[GaussianRun], selections: Sequence[SelectionRun], delta: float,
-    accountant: Accountant = "pld", conversion: Conversion = "classic",
-    orders: Sequence[float] = DEFAULT_ORDERS,
-) -> float:
-    """Epsilon at ``delta`` of a whole history under ``accountant``. ``rdp``: the RDP curve
-    converted once; ``pld``: the smaller of that and the PLD figure (module docstring)."""
-    if not gaussian and not selections:
-        return 0.0
-    rdp = rdp_to_dp(history_rdp(gaussian, selections, orders), delta, conversion, orders)[0]
-    if accountant == "rdp":
-        return rdp
-    if accountant != "pld":
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
-    return min(pld_epsilon(gaussian, selections, delta), rdp)
-
-
-def calibrate_noise_multiplier_pld(
-    phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
-    conversion: Conversion = "classic", extra_gaussian: Sequence[GaussianRun] = (),
-    selections: Sequence[SelectionRun] = (), orders: Sequence[float] = DEFAULT_ORDERS,
-) -> float:
-    """The smallest z at which the schedule, plus ``extra_gaussian`` (private evaluations,
-    earlier runs) and ``selections``, spends at most ``target_epsilon`` under the ``pld``
-    accountant (docs/privacy.md#calibrating-z).
-
-    The RDP z of the same history meets the target (the ``pld`` figure is never above the
-    RDP one) and bounds the search from above; PLDs of very small z would need huge grids,
-    so the lower end is found by stepping down from there instead of starting at 0.001."""
-    extra_rdp = history_rdp(extra_gaussian, selections, orders)
-    upper = calibrate_noise_multiplier(phases, target_epsilon, delta, conversion, extra_rdp,
-                                       orders)
-
-    def eps(z: float) -> float:
-        runs = [(z, p.sample_rate, p.steps) for p in phases]
-        return accounted_epsilon([*runs, *extra_gaussian], selections, delta, "pld",
-                                 conversion, orders)
-
-    lower = upper
-    for _ in range(12):  # RDP's z is rarely more than 1.3 x PLD's; 0.8^12 = 0.07
-        lower *= 0.8
-        if eps(lower) > target_epsilon:
-            break
-    return solve_noise_multiplier(eps, target_epsilon, delta, lower, upper,
-                                  relative_tolerance=1e-5, growth=2.0)

@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from .history import DEFAULT_ACCOUNTANT, AccountantName
 from .rdp import DEFAULT_ORDERS, sgm_rdp
-
-if TYPE_CHECKING:
-    from ..requests import TrainRequest
 
 FULL_BATCH = "full"
 
@@ -118,7 +116,7 @@ class Schedule:
     epsilon_target: float = 0.0
     #: the accountant the server proposes (docs/privacy.md#pld-accounting); a silo measures
     #: its spend with its own (``accountant`` in its node config)
-    accountant: Literal["rdp", "pld"] = "rdp"
+    accountant: AccountantName = DEFAULT_ACCOUNTANT
 
     def to_config(self) -> dict[str, Any]:
         config = {
@@ -130,17 +128,9 @@ class Schedule:
         }
         if self.epsilon_target > 0:  # absent otherwise: runs planned before it keep their key
             config["epsilon-target"] = self.epsilon_target
-        if self.accountant != "rdp":  # the same: rdp runs keep the key they were planned by
+        if self.accountant != DEFAULT_ACCOUNTANT:  # default runs keep their planned key
             config["accountant"] = self.accountant
         return config
-
-    @classmethod
-    def from_request(cls, request: TrainRequest) -> Schedule:
-        first = request.first_batch
-        return cls(request.rounds, request.local_epochs, request.batch_size,
-                   "full" if first == "full" else int(first), request.select_rounds,
-                   request.select_ratio, request.conversion, request.budget_mode,
-                   request.evaluations, request.epsilon_target, request.accountant)
 
     def key(self) -> str:
         return repr(sorted(self.to_config().items()))

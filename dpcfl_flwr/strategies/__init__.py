@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flwr.app import ArrayRecord
 
-from ..config import ExperimentConfig
+from ..config.settings import ExperimentConfig
 from .silos import TooFewSilos
 from .strategy import ClusteredStrategy, RoundReport, RunObserver
 

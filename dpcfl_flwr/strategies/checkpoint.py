@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ExperimentConfig
+from ..config.settings import ExperimentConfig
+from ..config.validation import ConfigError
 from ..files import write_atomically
 from ..methods.base import SiloInfo
-from ..validation import ConfigError
 
 CHECKPOINT = "checkpoint.pkl"
 #: Format of the file; a checkpoint of another format is refused.

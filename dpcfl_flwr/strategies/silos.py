@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from ..config import ExperimentConfig
+from ..config.settings import ExperimentConfig
 from ..methods.base import SiloInfo
 from ..protocol import BUDGET_EXCEEDED, CONFIG, SILO
 from .exchange import exchange, pause

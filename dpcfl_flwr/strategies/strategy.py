@@ -9,7 +9,7 @@ adds: the M models live here (Flower threads one ``ArrayRecord`` through its loo
 theta_init); new or restarted silos are asked who they are before each round
 (:class:`~.silos.SiloRoster`); the finished ``Result`` carries every cluster model.
 
-The method (``experiment.method``, from :mod:`dpcfl_flwr.registry`) decides; this class only
+The method (``experiment.method``, from :mod:`dpcfl_flwr.config.registry`) decides; this class only
 turns its decisions into messages and folds the replies back (docs/protocol.md).
 """
 
@@ -28,8 +28,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from .. import registry
-from ..config import ExperimentConfig
+from ..config import registry
+from ..config.settings import ExperimentConfig
 from ..methods.base import INITIAL, Method, ServerState, SiloInfo, TrainReply
 from ..protocol import (
     ARRAYS,

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from ..data import ClientData
+from ..dpsgd.training import DPSGDConfig, train_dp
 from ..models import build_model
-from ..training import DPSGDConfig, train_dp
 
 
 def flatten_update(update: dict[str, torch.Tensor]) -> np.ndarray:

@@ -22,31 +22,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .config import ExperimentConfig, SiloConfig
-from .data import ClientData, DataError, load_dataset, make_client_data
-from .models import build_model
-from .privacy import (
-    GaussianPhase,
-    GaussianSteps,
-    PrivacyBudget,
-    PrivacyLedger,
-    Schedule,
-    Selection,
-    accuracy_sensitivity,
-    calibrate_noise_multiplier,
-    calibrate_noise_multiplier_pld,
-    ledger_lock,
-    metric_release_cost,
-    noisy_evaluation,
-    plan_noise,
-    select_cluster,
-    selection_rdp,
-    two_stage_schedule,
-)
-from .privacy.ledger import Entry
-from .privacy.metrics import LOSS_BOUND
-from .requests import BadRequest
-from .training import (
+from ..config.settings import ExperimentConfig, SiloConfig
+from ..data import ClientData, DataError, load_dataset, make_client_data
+from ..dpsgd.training import (
     DPSGDConfig,
     configure_threads,
     evaluate,
@@ -55,6 +33,22 @@ from .training import (
     secure_generator,
     train_dp,
 )
+from ..models import build_model
+from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
+from ..privacy.budget import plan_noise
+from ..privacy.history import History
+from ..privacy.ledger import (
+    Entry,
+    GaussianSteps,
+    PrivacyBudget,
+    PrivacyLedger,
+    Selection,
+    ledger_lock,
+)
+from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
+from ..privacy.schedule import Schedule, two_stage_schedule
+from ..privacy.selection import accuracy_sensitivity, select_cluster
+from .requests import BadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +70,7 @@ class SiloPlan:
     noise_multiplier: float
     epsilon_select: float
     schedule_key: str
-    accountant: str = "rdp"
+    accountant: str = DEFAULT_ACCOUNTANT
 
 
 @functools.lru_cache(maxsize=32)
@@ -122,7 +116,7 @@ class Silo:
         configure_threads(self.silo.threads)
         assert self.silo.epsilon is not None and self.silo.delta is not None  # resolved
         self.budget = PrivacyBudget(self.silo.epsilon, self.silo.delta, experiment.conversion,
-                                    self.silo.accountant or "rdp")
+                                    self.silo.accountant or DEFAULT_ACCOUNTANT)
         self.ledger_path = Path(self.silo.ledger_path)
         self._state_ledger = state_ledger
         self.ledger = self._load_ledger()
@@ -234,44 +228,29 @@ class Silo:
         self.ledger.record(entries)
 
     def _calibrate(self, s: Schedule) -> SiloPlan:
+        """z for the schedule under the silo's own accountant, composed with the ledger's
+        history (earlier runs) and the run's private evaluations; selections take their share
+        of the budget as the budget mode says (docs/privacy.md#calibrating-z)."""
         n, b = self.data.num_train, self.budget
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
-        reserved = self._reserved_metrics(s)
+        history = self.ledger.history(self._reserved_metrics(s))
         # a server may ask for less than the budget (minimum-epsilon baseline), never more
         target = min(b.epsilon, s.epsilon_target) if s.epsilon_target > 0 else b.epsilon
         try:
-            if b.accountant == "pld":
-                return self._calibrate_pld(s, phases, reserved, target)
             if not self.ledger.entries:
-                # the run's private evaluations compose with the training (RDP)
                 plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
-                                  s.conversion, s.budget_mode,
-                                  extra_rdp=self.ledger.rdp(reserved) if reserved else None)
-                return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key())
+                                  s.conversion, s.budget_mode, history=history,
+                                  accountant=b.accountant)
+                return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key(),
+                                b.accountant)
             # Earlier runs already spent part of the budget: fit this run into what is left.
             eps_select = s.select_ratio * target
-            extra = self.ledger.rdp(reserved) + s.select_rounds * selection_rdp(eps_select)
-            z = calibrate_noise_multiplier(phases, target, b.delta, s.conversion, extra)
+            history = history + History.of_selections(eps_select, s.select_rounds)
+            z = accountant_named(b.accountant).calibrate(phases, target, b.delta,
+                                                         s.conversion, history)
         except ValueError as exc:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
-        return SiloPlan(z, eps_select, s.key())
-
-    def _calibrate_pld(self, s: Schedule, phases: list[GaussianPhase],
-                       reserved: list[GaussianSteps], target: float) -> SiloPlan:
-        """:meth:`_calibrate` under the ``pld`` accountant: the history and the reserved
-        evaluations enter as mechanisms, not RDP curves (docs/privacy.md#pld-accounting)."""
-        b = self.budget
-        runs, selections = self.ledger.mechanisms(reserved)
-        if not self.ledger.entries:
-            plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
-                              s.conversion, s.budget_mode, accountant="pld", extra_gaussian=runs)
-            return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key(), "pld")
-        eps_select = s.select_ratio * target
-        if s.select_rounds and eps_select > 0:
-            selections.append((eps_select, s.select_rounds))
-        z = calibrate_noise_multiplier_pld(phases, target, b.delta, s.conversion, runs,
-                                           selections)
-        return SiloPlan(z, eps_select, s.key(), "pld")
+        return SiloPlan(z, eps_select, s.key(), b.accountant)
 
     def _reserved_metrics(self, s: Schedule) -> list[GaussianSteps]:
         """The run's private evaluations, as one ledger entry (none with exact metrics)."""

@@ -4,8 +4,8 @@ docs/algorithm.md#dp-sgd-step states the step (A1), the steps of a round (A2) an
 (A3).
 
 One DP step: Poisson-sample a logical batch (or take all N records in the full-batch round),
-compute per-sample gradients (:mod:`dpcfl_flwr.per_sample`) on physical chunks of bounded size,
-clip each to norm c, add the clipped gradients up, add N(0, (z c)^2) noise once per logical
+compute per-sample gradients (:mod:`dpcfl_flwr.dpsgd.per_sample`) on physical chunks of bounded
+size, clip each to norm c, add the clipped gradients up, add N(0, (z c)^2) noise once per logical
 batch, divide by the expected batch size and take an SGD step. Chunking makes the full-batch
 round gradient accumulation: peak memory depends on the chunk size, not on N.
 
@@ -25,9 +25,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..privacy.ledger import GaussianSteps
+from ..privacy.schedule import FULL_BATCH
 from .per_sample import ClippedSumEngine, make_engine
-from .privacy.ledger import GaussianSteps
-from .privacy.schedule import FULL_BATCH
 
 # Per-sample gradients of one chunk hold chunk * p floats; this caps them at ~512 MiB.
 _PER_SAMPLE_FLOAT_BUDGET = 128 * 1024 * 1024

@@ -10,9 +10,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .privacy import GaussianPhase, NoisePlan, accounted_epsilon, plan_noise
-from .privacy.budget import BudgetMode
-from .privacy.rdp import Conversion
+from ..privacy.accountants import accountant_named
+from ..privacy.budget import BudgetMode, NoisePlan, plan_noise
+from ..privacy.history import ACCOUNTANTS, History
+from ..privacy.rdp import Conversion
+from ..privacy.schedule import GaussianPhase
 
 
 def plan_dict(plan: NoisePlan) -> dict[str, Any]:
@@ -26,10 +28,10 @@ def schedule_epsilon_at(phases: Sequence[GaussianPhase], noise_multiplier: float
                         ) -> dict[str, float]:
     """Epsilon of the whole schedule and its selections at one z, composed jointly, by each
     accountant (``pld``: as the ledger measures it, never above ``rdp``)."""
-    runs = [(noise_multiplier, p.sample_rate, p.steps) for p in phases]
-    chosen = [(epsilon_select, selections)] if selections and epsilon_select > 0 else []
-    return {accountant: accounted_epsilon(runs, chosen, delta, accountant, conversion)
-            for accountant in ("rdp", "pld")}
+    history = (History(tuple((noise_multiplier, p.sample_rate, p.steps) for p in phases))
+               + History.of_selections(epsilon_select, selections))
+    return {name: accountant_named(name).epsilon(history, delta, conversion)
+            for name in ACCOUNTANTS}
 
 
 def compare_accountants(phases: Sequence[GaussianPhase], epsilon: float, delta: float,
@@ -39,7 +41,7 @@ def compare_accountants(phases: Sequence[GaussianPhase], epsilon: float, delta: 
     the RDP z, i.e. what the RDP plan really spends by PLD)."""
     plans = {accountant: plan_noise(phases, epsilon, delta, select_rounds, select_ratio,
                                     conversion, mode, accountant=accountant)
-             for accountant in ("rdp", "pld")}
+             for accountant in ACCOUNTANTS}
     z = at_z if at_z is not None else plans["rdp"].noise_multiplier
     eps_select = plans["rdp"].split.epsilon_select
     return {**{name: plan_dict(plan) for name, plan in plans.items()}, "at_z": z,

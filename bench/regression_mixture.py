@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-from .privacy.dprivacy import sanitize_update
+from dpcfl_flwr.privacy.dprivacy import sanitize_update
 
 OPTIMA = np.array([[5.0, 6.0], [4.0, -4.5]])
 """theta_1*, theta_2* of paper 004 §4.1."""

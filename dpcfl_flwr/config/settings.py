@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from ..data import Topology
+from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
-from .data import Topology
 from .heterogeneity import partition_list, per_silo_values
 from .validation import ConfigError, ConfigModel, kebab, one_line_error
 
@@ -27,7 +28,7 @@ class ExperimentConfig(ConfigModel):
     by the method's :attr:`~dpcfl_flwr.methods.base.Method.Params` and held in
     :attr:`methods` (every registered method's, defaults filled in)."""
 
-    method: str = Field("rdpcfl", description="a registered method (dpcfl_flwr.registry)")
+    method: str = Field("rdpcfl", description="a registered method (dpcfl_flwr.config.registry)")
     # data: the paper's cluster-structured split (docs/experiments.md)
     dataset: Literal["fmnist", "mnist", "cifar10"] = "fmnist"
     data_dir: str = ""
@@ -64,7 +65,7 @@ class ExperimentConfig(ConfigModel):
     aggregation: str = "uniform"
     rpca_rows: int = Field(200_000, ge=1, description="p': RPCA on the first p' coordinates")
     rpca_min_silos: int = Field(5, ge=2, description="fewer: the cluster falls back to samples")
-    # simulation only: silos that differ (dpcfl_flwr/heterogeneity.py,
+    # simulation only: silos that differ (dpcfl_flwr/config/heterogeneity.py,
     # docs/heterogeneous-silos.md); a deployed silo's own file sets its values
     silo_epsilons: str = ""
     silo_deltas: str = ""
@@ -126,7 +127,7 @@ class ExperimentConfig(ConfigModel):
     @field_validator("aggregation")
     @classmethod
     def _known_rule(cls, value: str) -> str:
-        from .aggregation import RULES
+        from ..aggregation import RULES
         if value not in RULES:
             raise ValueError(f"not an aggregation rule; choose from {', '.join(RULES)}")
         return value
@@ -305,7 +306,8 @@ class SiloConfig(ConfigModel):
                 experiment.params))
         source.setdefault("privatiser", "dpsgd")
         source.setdefault("report_cpu_seconds", trust_run_config)
-        source.setdefault("accountant", experiment.accountant if trust_run_config else "rdp")
+        source.setdefault("accountant", experiment.accountant if trust_run_config
+                          else DEFAULT_ACCOUNTANT)
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
         if resolved.privatiser == "dprivacy":

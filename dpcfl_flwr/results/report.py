@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Circle  # noqa: E402
 
-from .files import write_atomically  # noqa: E402
+from ..files import write_atomically  # noqa: E402
 
 
 def write_json_atomic(path: str | Path, payload: Any) -> None:

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 from sklearn.metrics import adjusted_rand_score
 
-from .clustering import UpdateClusterer, switch_round
-from .clustering.round_one import round_one_updates
-from .data import Topology, load_dataset, make_client_data
-from .privacy import plan_noise, two_stage_schedule
-from .report import plot_projection, write_json_atomic
-from .training import DPSGDConfig
+from ..clustering import UpdateClusterer, switch_round
+from ..data import Topology, load_dataset, make_client_data
+from ..dpsgd.training import DPSGDConfig
+from ..privacy.budget import plan_noise
+from ..privacy.schedule import two_stage_schedule
+from ..results.report import plot_projection, write_json_atomic
+from .round_one import round_one_updates
 
 
 @dataclass(frozen=True)

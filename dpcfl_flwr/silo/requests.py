@@ -14,8 +14,9 @@ from typing import Any, Literal
 from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from .protocol import CONFIG, OWN
-from .validation import ConfigError, ConfigModel, one_line_error
+from ..config.validation import ConfigError, ConfigModel, one_line_error
+from ..privacy.schedule import Schedule
+from ..protocol import CONFIG, OWN
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
 MAX_ROUNDS = 100_000
@@ -53,7 +54,7 @@ class TrainRequest(_Request):
     # what the silo keys its noise plan by (the same across a resumed run's Flower runs); 0:
     # the Flower run id. Only which stored plan applies: spending is bounded by the ledger.
     run_key: int = Field(0, ge=0, lt=2**63)
-    # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.Schedule)
+    # the whole schedule the silo calibrates its noise for (dpcfl_flwr.silo.silo.Schedule)
     rounds: int = Field(ge=1, le=MAX_ROUNDS)
     local_epochs: int = Field(ge=1, le=MAX_LOCAL_EPOCHS)
     batch_size: int = Field(ge=1)
@@ -79,6 +80,15 @@ class TrainRequest(_Request):
     @property
     def batch(self) -> int | Literal["full"]:
         return "full" if self.round_batch == "full" else int(self.round_batch)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The whole DP schedule the message proposes (the silo calibrates its noise for it)."""
+        first = self.first_batch
+        return Schedule(self.rounds, self.local_epochs, self.batch_size,
+                        "full" if first == "full" else int(first), self.select_rounds,
+                        self.select_ratio, self.conversion, self.budget_mode, self.evaluations,
+                        self.epsilon_target, self.accountant)
 
 
 class EvaluateRequest(_Request):

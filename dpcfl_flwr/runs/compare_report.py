@@ -188,7 +188,7 @@ def write_reports(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[flo
 
 def _plot(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[float],
           path: Path) -> None:
-    from .report import plt, save_figure
+    from ..results.report import plt, save_figure
 
     by = {(c.variant, c.epsilon): c for c in cells}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

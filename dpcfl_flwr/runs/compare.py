@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import registry
-from .config import ConfigError, parse_run_config
-from .simulation import _toml_value, flat_keys
+from ..config import registry
+from ..config.config_file import flat_keys, toml_value
+from ..config.settings import ConfigError, parse_run_config
 
 
 def discovers_clusters(method: str) -> bool:
@@ -145,7 +145,7 @@ def run_config(run: GridRun, base: dict[str, Any], per_method: dict[str, dict[st
 
 
 def _config_text(config: dict[str, Any]) -> str:
-    return "".join(f"{k} = {_toml_value(v)}\n" for k, v in config.items())
+    return "".join(f"{k} = {toml_value(v)}\n" for k, v in config.items())
 
 
 def changed_keys(run: GridRun, config: dict[str, Any]) -> list[str]:

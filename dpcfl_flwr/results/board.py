@@ -29,13 +29,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ExperimentConfig
-from .results import minority_cluster
+from ..config.settings import ExperimentConfig
+from .recorder import minority_cluster
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from .strategies import ClusteredStrategy, RoundReport, RunObserver
+    from ..strategies import ClusteredStrategy, RoundReport, RunObserver
 
 #: The event files' folder inside a results directory.
 BOARD_DIR = "tensorboard"

@@ -25,10 +25,10 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
 from sklearn.metrics import adjusted_rand_score
 
-from .config import ExperimentConfig
+from ..config.settings import ExperimentConfig
+from ..strategies import ClusteredStrategy, RoundReport
+from ..strategies.checkpoint import CHECKPOINT, Checkpoint, save_checkpoint
 from .report import plot_accuracy_by_cluster, plot_projection, write_json_atomic
-from .strategies import ClusteredStrategy, RoundReport
-from .strategies.checkpoint import CHECKPOINT, Checkpoint, save_checkpoint
 
 CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused", "dropped",
               "cluster_sizes", "mean_val_accuracy", "mean_test_accuracy",

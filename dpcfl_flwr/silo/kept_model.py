@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .files import write_atomically
-from .models import build_model
-from .protocol import OWN
+from ..files import write_atomically
+from ..models import build_model
+from ..protocol import OWN
 
 if TYPE_CHECKING:
     from .silo import Silo

@@ -22,36 +22,24 @@ import signal
 import tempfile
 import threading
 import time
-import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import ExperimentConfig, parse_run_config
-from .deploy.processes import descendants
-from .flower_compat import run_simulation as run_in_engine
-from .flower_compat import signals_left_to_caller
+from .. import app_pin
+from ..config.config_file import load_config, toml_value
+from ..config.settings import ExperimentConfig, parse_run_config
+from ..flower_compat import run_simulation as run_in_engine
+from ..flower_compat import signals_left_to_caller
+from .processes import descendants
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
-CLIENT_APP = "dpcfl_flwr.client_app:app"
+CLIENT_APP = app_pin.CLIENTAPP
 
 logger = logging.getLogger(__name__)
 
 #: How long a stopped simulation may take to shut Ray down before its processes are killed.
 STOP_GRACE_SECONDS = 5.0
-
-
-def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> ExperimentConfig:
-    """Defaults, then a TOML file of run-config keys, then ``key=value`` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-        # Accept both a bare table of keys and a pyproject-style [tool.flwr.app.config].
-        raw.update(flat_keys(data.get("tool", {}).get("flwr", {}).get("app", {})
-                             .get("config", data)))
-    raw.update(overrides)
-    return parse_run_config(raw)
 
 
 class AlreadyFinished(Exception):
@@ -88,7 +76,7 @@ def resumed_experiment(directory: Path, config: str | Path | None,
     checkpoint's (or ``config``'s, which must agree with it), with ``overrides`` of the keys
     a resumed run may change. :class:`ConfigError` in one line when it cannot resume,
     :class:`AlreadyFinished` when the run completed."""
-    from .strategies.checkpoint import CHECKPOINT, load_checkpoint, read_checkpoint
+    from ..strategies.checkpoint import CHECKPOINT, load_checkpoint, read_checkpoint
 
     results = directory / "results.json"
     if results.exists() and json.loads(results.read_text()).get("complete"):
@@ -103,53 +91,21 @@ def resumed_experiment(directory: Path, config: str | Path | None,
     return experiment
 
 
-def flat_keys(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A TOML table as run-config keys, the way Flower flattens its run config: a method's
-    table ``[rdpcfl]`` with ``n-clusters = 4`` becomes ``rdpcfl.n-clusters = 4``."""
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            flat.update(flat_keys(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` with a TOML value (``epsilon=5``, ``dataset="mnist"``, or bare words)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"expected key=value, got {text!r}")
-    try:
-        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value.strip()
-    return key.strip(), parsed
-
-
 def _write_app_dir(directory: Path, experiment: ExperimentConfig) -> None:
     lines = ["[project]", 'name = "dpcfl-flwr-simulation"', 'version = "0.1.0"', "",
              "[tool.flwr.app]", 'publisher = "dpcfl"', "", "[tool.flwr.app.components]",
              f'serverapp = "{SERVER_APP}"', f'clientapp = "{CLIENT_APP}"', "",
              "[tool.flwr.app.config]"]
     for key, value in experiment.to_run_config().items():
-        lines.append(f"{key} = {_toml_value(value)}")
+        lines.append(f"{key} = {toml_value(value)}")
     (directory / "pyproject.toml").write_text("\n".join(lines) + "\n")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
 
 
 def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                    cpus_per_client: float = 1.0, verbose: bool = False) -> None:
     """Run ``experiment`` with one virtual SuperNode per silo of its topology (tuned or on
     stock Flower, as :mod:`dpcfl_flwr.flower_compat`'s gate decides)."""
-    from .strategies.exchange import RunInterrupted
+    from ..strategies.exchange import RunInterrupted
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -194,7 +150,7 @@ def _stopped_by_signals() -> Iterator[list[int]]:
     of raising KeyboardInterrupt or SystemExit in whatever Flower's or Ray's code the main
     thread is in (which left Flower's worker threads logging each running task's Ray error,
     and the ServerApp thread polling on). Yields the signals received."""
-    from .strategies.exchange import stop_requested  # the ServerApp's side (imports torch)
+    from ..strategies.exchange import stop_requested  # the ServerApp's side (imports torch)
 
     received: list[int] = []
     stop_requested.clear()
@@ -238,8 +194,8 @@ def _server_app_ends() -> Iterator[None]:
     waits for it before exiting: ask it to stop. After a run that ended by the ServerApp's
     return or exception the request is withdrawn (a later run or strategy in this process
     must not find it)."""
-    from .strategies import TooFewSilos
-    from .strategies.exchange import stop_requested
+    from ..strategies import TooFewSilos
+    from ..strategies.exchange import stop_requested
 
     try:
         yield
@@ -272,4 +228,4 @@ def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
                              **{k.replace("_", "-"): v for k, v in update.items()}})
 
 
-__all__ = ["absolute_paths", "flat_keys", "load_config", "parse_override", "run_simulation"]
+__all__ = ["absolute_paths", "experiment_to_run", "resumed_experiment", "run_simulation"]

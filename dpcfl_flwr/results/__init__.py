@@ -1,0 +1,1 @@
+"""What a run leaves: the recorder, TensorBoard files, tables and plots."""

@@ -1,0 +1,1 @@
+"""Running experiments on this machine: simulation, comparison grids, probes, progress."""
