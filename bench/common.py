@@ -86,33 +86,49 @@ def _anchor(title: str) -> str:
 
 
 def _with_contents(text: str) -> str:
-    """``text`` with the list between the contents markers rebuilt from its ``## `` headings."""
+    """``text`` with the list between the contents markers rebuilt from its headings: each
+    question (``## ``) and, indented under it, the figures that answer it (``### ``)."""
     if CONTENTS_START not in text or CONTENTS_END not in text:
         return text
     head, rest = text.split(CONTENTS_START, 1)
     _, tail = rest.split(CONTENTS_END, 1)
-    titles = [line[3:].strip() for line in tail.splitlines() if line.startswith("## ")]
-    entries = "".join(f"- [{t}](#{_anchor(t)})\n" for t in titles)
+    entries = ""
+    for line in tail.splitlines():
+        for level, indent in (("## ", ""), ("### ", "  ")):
+            if line.startswith(level):
+                title = line[len(level):].strip()
+                entries += f"{indent}- [{title}](#{_anchor(title)})\n"
     return f"{head}{CONTENTS_START}\n{entries}{CONTENTS_END}{tail}"
 
 
+def _heading_level(line: str) -> int:
+    """2 for ``## ``, 3 for ``### `` (and so on), 0 for a line that is no heading."""
+    hashes = len(line) - len(line.lstrip("#"))
+    return hashes if hashes and line[hashes:hashes + 1] == " " else 0
+
+
 def replace_section(text: str, title: str, new_section: str) -> str:
-    """``text`` (a results file) with its section titled ``title`` replaced by ``new_section``,
-    or ``new_section`` added at the end when no section has that title; every other section
-    is kept as it was, and the contents list is rebuilt."""
-    pieces = _split_sections(text)
-    heading = f"## {title}"
-    content = new_section.rstrip("\n")
-    for index, piece in enumerate(pieces[1:], start=1):
-        if piece.splitlines()[0].rstrip() == heading:
-            last = index == len(pieces) - 1
-            pieces[index] = content + ("\n" if last else piece[len(piece.rstrip("\n")):])
-            break
-    else:
-        if pieces[-1].strip():
-            pieces[-1] = pieces[-1].rstrip("\n") + "\n\n"
-        pieces.append(content + "\n")
-    return _with_contents("".join(pieces))
+    """``text`` (a results file) with the section titled ``title`` replaced by
+    ``new_section``: a figure (``### title``) under the question it answers, or a section of
+    its own (``## title``), kept at the level it has, up to the next heading of the same or a
+    higher level. A title found nowhere is added at the end as a section of its own (to be
+    filed under its question by hand). Every other section is kept as it was, and the contents
+    list is rebuilt."""
+    lines = text.splitlines(keepends=True)
+    body = new_section.rstrip("\n").split("\n", 1)
+    rest = body[1] if len(body) > 1 else ""
+    for index, line in enumerate(lines):
+        level = _heading_level(line)
+        if level >= 2 and line[level + 1:].rstrip() == title:
+            end = next((j for j in range(index + 1, len(lines))
+                        if 2 <= _heading_level(lines[j]) <= level), len(lines))
+            replaced = f"{'#' * level} {title}\n{rest}\n"
+            if end < len(lines):
+                replaced += "\n"
+            lines[index:end] = [replaced]
+            return _with_contents("".join(lines))
+    text = text.rstrip("\n") + "\n\n" if text.strip() else text
+    return _with_contents(text + new_section.rstrip("\n") + "\n")
 
 
 def append_results(title: str, body: str, *, results: Path = RESULTS,

@@ -101,7 +101,8 @@ def test_a_new_title_gets_its_own_section_and_contents_entry(files: tuple[Path, 
         "End to end: the quick example"]
     assert f"- [{title}](#end-to-end-the-quick-example-with-budget-modejoint)" in text
     assert "stale entry" not in text
-    assert text.count("- [") == 4
+    assert text.count("\n- [") == 4  # the sections; the subsection is listed indented
+    assert "\n  - [A subsection that belongs to it](#a-subsection-that-belongs-to-it)" in text
 
 
 def test_no_append_only_prints(files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) \
@@ -112,3 +113,53 @@ def test_no_append_only_prints(files: tuple[Path, Path], capsys: pytest.CaptureF
     assert results.read_text() == CURRENT
     assert not history.exists()
     assert "| new | table |" in capsys.readouterr().out
+
+
+GROUPED = """# Benchmark results
+
+<!-- contents -->
+<!-- /contents -->
+
+## How fast is DP-SGD here?
+
+What the figures below answer, in a line.
+
+### DP-SGD throughput
+
+`python bench/dp_throughput.py` — old
+
+| old | table |
+
+### Choices inside the layerwise engine
+
+| kept | as it was |
+
+## How does the quick example do?
+
+### End to end: the quick example
+
+| 0 | 57.8% |
+"""
+
+
+def test_a_figure_is_replaced_under_the_question_it_answers(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    monkeypatch.setattr(common, "machine", lambda: "test machine")
+    monkeypatch.setattr(common, "commit", lambda: "abc1234")
+    monkeypatch.setattr("sys.argv", ["bench/dp_throughput.py"])
+    results = tmp_path / "RESULTS.md"
+    results.write_text(GROUPED)
+    common.publish("DP-SGD throughput", "| new | table |", True, results=results,
+                   history=tmp_path / "history")
+    text = results.read_text()
+    question, figure = text.index("## How fast is DP-SGD here?"), text.index(
+        "### DP-SGD throughput\n\n`python bench/dp_throughput.py` — ")
+    assert question < figure < text.index("### Choices inside the layerwise engine")
+    assert "| new | table |" in text and "| old | table |" not in text
+    assert "| kept | as it was |" in text and "What the figures below answer" in text
+    assert text.count("DP-SGD throughput\n") == 1
+    assert ("- [How fast is DP-SGD here?](#how-fast-is-dp-sgd-here)\n"
+            "  - [DP-SGD throughput](#dp-sgd-throughput)\n") in text
+    history = (tmp_path / "history" / "dp_throughput.md").read_text()
+    assert "## DP-SGD throughput\n" in history  # the history stays flat
