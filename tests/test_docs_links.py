@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
 
@@ -77,3 +79,24 @@ def test_the_package_map_names_every_module():
         elif path.name not in sections.get(f"{relative.parts[0]}/", ""):
             missing.append(str(relative))
     assert missing == [], f"add these to the layout in docs/README.md: {missing}"
+
+
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/adding-a-method.md"])
+def test_the_worked_method_example_imports_as_written(page, monkeypatch):
+    """The 'add a method' example, saved in dpcfl_flwr/methods/ as the page says, imports
+    and defines a Method (registration itself is left out, so no test sees a 'fixed')."""
+    import types
+
+    from dpcfl_flwr.config import registry
+    from dpcfl_flwr.methods.base import Method
+
+    monkeypatch.setattr(registry, "register", lambda cls: cls)
+    code = next(block for block in _python_blocks(REPO / page) if "class Fixed(" in block)
+    module = types.ModuleType("dpcfl_flwr.methods.fixed")
+    module.__package__ = "dpcfl_flwr.methods"
+    exec(compile(code, f"{page}:fixed", "exec"), module.__dict__)  # noqa: S102 - our own docs
+    assert issubclass(module.Fixed, Method) and module.Fixed.name == "fixed"
