@@ -24,8 +24,8 @@ app = ServerApp()
 
 def initial_arrays(experiment: ExperimentConfig) -> ArrayRecord:
     """theta_init: the same seeded initial model for every cluster and silo."""
-    channels = 3 if experiment.dataset == "cifar10" else 1
-    return ArrayRecord(build_model(experiment.model, in_channels=channels,
+    return ArrayRecord(build_model(experiment.model, experiment.num_classes,
+                                   in_channels=experiment.record_shape[0],
                                    seed=experiment.seed).state_dict())
 
 

@@ -41,6 +41,10 @@ class ExperimentConfig(ConfigModel):
     # so a run can be set beside theirs; "per-client": each silo's draw seeded on its own
     data_draw: Literal["per-client", "authors"] = "authors"
     model: Literal["cnn", "resnet18"] = "cnn"
+    # the federation's data schema (docs/own-data.md): every silo's records have this input
+    # shape ("channels,height,width"; empty: the benchmark dataset's) and labels 0..C-1
+    input_shape: str = ""
+    num_classes: int = Field(10, ge=2)
     # training schedule (docs/algorithm.md#hyper-parameters-and-defaults)
     num_server_rounds: int = Field(30, ge=1)
     local_epochs: int = Field(1, ge=1)
@@ -107,6 +111,21 @@ class ExperimentConfig(ConfigModel):
         if value not in names:
             raise ValueError(f"not a registered method; choose from {', '.join(names)}")
         return value
+
+    @field_validator("input_shape")
+    @classmethod
+    def _valid_shape(cls, value: str) -> str:
+        if value.strip():
+            parse_shape(value)
+        return value
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        """The input shape every silo's records must have (the schema's, else the
+        benchmark dataset's)."""
+        if self.input_shape.strip():
+            return parse_shape(self.input_shape)
+        return (3, 32, 32) if self.dataset == "cifar10" else (1, 28, 28)
 
     @field_validator("clusters", mode="before")
     @classmethod
@@ -217,7 +236,13 @@ class SiloConfig(ConfigModel):
     delta: float | None = Field(None, gt=0.0, lt=1.0)
     ledger_path: str = ""
     data_dir: str = ""
-    # the silo's records: which dataset, and how its train / validation / test split is drawn
+    # the silo's records (docs/own-data.md): a benchmark dataset with the paper's shift
+    # ("benchmark", the keys below), or its own arrays at data-path ("arrays"), split with its
+    # data-seed (test-fraction for test, val-fraction of the rest for validation) unless the
+    # file gives the split
+    data_source: Literal["benchmark", "arrays"] | None = None
+    data_path: str = ""
+    test_fraction: float | None = Field(None, gt=0.0, lt=1.0)
     dataset: Literal["fmnist", "mnist", "cifar10"] | None = None
     clusters: str | None = None
     shift: Literal["rotation", "label_flip"] | None = None
@@ -305,11 +330,16 @@ class SiloConfig(ConfigModel):
             source.update(registry.method_class(experiment.method).silo_defaults(
                 experiment.params))
         source.setdefault("privatiser", "dpsgd")
+        source.setdefault("data_source", "benchmark")
+        source.setdefault("test_fraction", 0.2)
         source.setdefault("report_cpu_seconds", trust_run_config)
         source.setdefault("accountant", experiment.accountant if trust_run_config
                           else DEFAULT_ACCOUNTANT)
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
+        if resolved.data_source == "arrays" and not resolved.data_path:
+            raise ConfigError("node config: data-source = arrays needs data-path (the silo's "
+                              ".npz file or directory of .npy files)")
         if resolved.privatiser == "dprivacy":
             missing = [kebab(key) for key in ("dprivacy_noise", "dprivacy_leakage_budget")
                        if getattr(resolved, key) is None]
@@ -329,6 +359,17 @@ class SiloConfig(ConfigModel):
     def topology(self) -> Topology:
         """The topology of a resolved config (the silo's cluster comes from it)."""
         return Topology.parse(self.clusters or ExperimentConfig.model_fields["clusters"].default)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1,28,28"`` as a shape of positive integers; ValueError naming what is wrong."""
+    try:
+        shape = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
+    if not shape or any(size < 1 for size in shape):
+        raise ValueError(f"{text!r}: every size must be a positive integer")
+    return shape
 
 
 #: Per-silo run-config keys (simulation), the SiloConfig field each sets, and its type.

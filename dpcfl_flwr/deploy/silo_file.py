@@ -62,7 +62,7 @@ from ..flower_compat.environment import flower_tool
 from .certs import certificate_problems
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
-PATH_KEYS_NODE = ("ledger-path", "data-dir")
+PATH_KEYS_NODE = ("ledger-path", "data-dir", "data-path")
 
 
 class SiloFile(ConfigModel):

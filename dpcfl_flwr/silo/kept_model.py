@@ -102,7 +102,8 @@ def load_silo_model(path: str | Path) -> SiloModel:
     """
     payload = _read(Path(path))
     metadata = dict(payload["metadata"])
-    model = build_model(metadata["model"], in_channels=int(metadata["in_channels"]))
+    model = build_model(metadata["model"], int(metadata.get("num_classes", 10)),
+                        in_channels=int(metadata["in_channels"]))
     model.load_state_dict(payload["state_dict"])
     return SiloModel(model.eval(), metadata)
 
@@ -127,7 +128,8 @@ def evaluated_metadata(silo: Silo, server_round: int, cluster: int, rounds: int 
         "round": server_round, "rounds": rounds,
         "final": rounds is not None and server_round == rounds,
         "cluster": cluster, "own_model": cluster == OWN, "model": silo.experiment.model,
-        "in_channels": silo._channels(), "dataset": settings.dataset,
+        "in_channels": silo._channels(), "num_classes": silo.experiment.num_classes,
+        "dataset": settings.dataset,
         "test_accuracy": float(exact["test-accuracy"]), "test_loss": float(exact["test-loss"]),
         "reported_test_accuracy": float(reported["test-accuracy"]),
         "reported_test_loss": float(reported["test-loss"]),

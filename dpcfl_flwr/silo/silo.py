@@ -24,6 +24,7 @@ import torch
 
 from ..config.settings import ExperimentConfig, SiloConfig
 from ..data import ClientData, DataError, load_dataset, make_client_data
+from ..data.arrays import check_schema, load_arrays
 from ..dpsgd.training import (
     DPSGDConfig,
     configure_threads,
@@ -75,7 +76,11 @@ class SiloPlan:
 
 @functools.lru_cache(maxsize=32)
 def _client_data(silo: SiloConfig) -> ClientData:
-    """The records of a resolved silo config (cached: a warm silo answers every round)."""
+    """The records of a resolved silo config (cached: a warm silo answers every round): its own
+    arrays, or its part of a benchmark dataset with the paper's shift."""
+    if silo.data_source == "arrays":
+        return load_arrays(silo.data_path, silo.partition_id, int(silo.data_seed or 0),
+                           float(silo.val_fraction or 0), float(silo.test_fraction or 0.2))
     assert silo.dataset and silo.shift and silo.data_draw  # resolved
     train, test = load_dataset(silo.dataset, silo.data_dir or None)
     return make_client_data(train, test, silo.partition_id, silo.topology, silo.shift,
@@ -91,7 +96,8 @@ def records_problem(settings: SiloConfig) -> str | None:
     None: it can. ``dpcfl client`` asks before the silo connects, so a silo that would fail
     every message never joins a run."""
     try:
-        settings.topology.cluster_of(settings.partition_id)
+        if settings.data_source != "arrays":
+            settings.topology.cluster_of(settings.partition_id)
         records = _client_data(settings).num_train
     except (DataError, ValueError, OSError) as exc:
         return f"the silo's records: {exc}"
@@ -125,11 +131,19 @@ class Silo:
     # --- identity and data ----------------------------------------------------------------
     @functools.cached_property
     def data(self) -> ClientData:
-        return _client_data(self.silo)
+        """The silo's records, checked against the federation's schema (DataError naming
+        what differs, before anything is trained or charged)."""
+        data = _client_data(self.silo)
+        where = (f"silo {self.silo.partition_id}: records "
+                 f"{self.silo.data_path or self.silo.dataset}")
+        check_schema(data, self.experiment.record_shape, self.experiment.num_classes, where)
+        return data
 
     @property
     def true_cluster(self) -> int:
-        if self.silo.true_cluster >= 0:
+        """The operator's label of the silo's group (evaluation only): set in its node
+        config, else the benchmark topology's; -1 for its own records without a label."""
+        if self.silo.true_cluster >= 0 or self.silo.data_source == "arrays":
             return self.silo.true_cluster
         return self.silo.topology.cluster_of(self.silo.partition_id)
 
@@ -287,16 +301,17 @@ class Silo:
             )
 
     def new_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = build_model(self.experiment.model, in_channels=self._channels())
+        model = build_model(self.experiment.model, self.experiment.num_classes,
+                            in_channels=self._channels())
         model.load_state_dict(state)
         return model
 
     def template(self) -> dict[str, torch.Tensor]:
         """The model's tensor names and shapes, to unpack the one-Array models messages carry."""
-        return _template(self.experiment.model, self._channels())
+        return _template(self.experiment.model, self._channels(), self.experiment.num_classes)
 
     def _channels(self) -> int:
-        return 3 if self.silo.dataset == "cifar10" else 1
+        return self.experiment.record_shape[0]
 
     def select(self, candidates: list[dict[str, torch.Tensor]], plan: SiloPlan,
                round_number: int) -> int:
@@ -382,8 +397,9 @@ class Silo:
 
 
 @functools.lru_cache(maxsize=4)
-def _template(model: str, channels: int) -> dict[str, torch.Tensor]:
+def _template(model: str, channels: int, num_classes: int) -> dict[str, torch.Tensor]:
     # Built once per process (a warm runtime answers every round of its silo); meta tensors
     # keep names, shapes and dtypes without holding a second copy of the weights.
     return {k: v.detach().to("meta")
-            for k, v in build_model(model, in_channels=channels).state_dict().items()}
+            for k, v in build_model(model, num_classes, in_channels=channels
+                                    ).state_dict().items()}
