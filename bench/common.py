@@ -68,17 +68,6 @@ def section(title: str, body: str) -> str:
             f"({machine()})\n\n{body.strip()}\n")
 
 
-def _split_sections(text: str) -> list[str]:
-    """``text`` cut before every level-2 heading: the preamble, then one piece per section
-    (a section runs to the next ``## `` line, its ``###`` subsections and notes included)."""
-    pieces: list[str] = [""]
-    for line in text.splitlines(keepends=True):
-        if line.startswith("## "):
-            pieces.append("")
-        pieces[-1] += line
-    return pieces
-
-
 def _anchor(title: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
     kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")

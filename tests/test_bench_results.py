@@ -56,8 +56,19 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     return results, tmp_path / "history"
 
 
+def _split_sections(text: str) -> list[str]:
+    """``text`` cut before every level-2 heading: the preamble, then one piece per section
+    (a section runs to the next ``## `` line, its ``###`` subsections and notes included)."""
+    pieces: list[str] = [""]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            pieces.append("")
+        pieces[-1] += line
+    return pieces
+
+
 def sections(text: str) -> dict[str, str]:
-    return {piece.splitlines()[0][3:]: piece for piece in common._split_sections(text)[1:]}
+    return {piece.splitlines()[0][3:]: piece for piece in _split_sections(text)[1:]}
 
 
 def test_a_run_replaces_its_own_section_only(files: tuple[Path, Path]) -> None:

@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from dpcfl_flwr.client_app import app as client_app
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
+from dpcfl_flwr.data import ClientData
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
 from dpcfl_flwr.privacy.metrics import metric_release_cost, noisy_evaluation
@@ -376,11 +377,16 @@ def _fields(server_round: int, cluster: int, batch: str, **extra: Any) -> dict[s
             **extra}
 
 
+def silo_data(attacker: Attacker) -> ClientData:
+    """The deployed silo's records, as its own code builds them from its node config."""
+    return Silo(parse_node_config(attacker.context.node_config),
+                parse_run_config(attacker.context.run_config), 11).data
+
+
 def _silo_records(attacker: Attacker, split: str) -> torch.Tensor:
     """The deployed silo's records of ``split`` (the attacker's target is one of them)."""
-    silo = Silo(parse_node_config(attacker.context.node_config),
-                parse_run_config(attacker.context.run_config), 11)
-    return silo.data.x_train if split == "train" else silo.data.x_test
+    data = silo_data(attacker)
+    return data.x_train if split == "train" else data.x_test
 
 
 def _poisoned_state(attacker: Attacker, fire: bool, split: str = "train") -> ArrayRecord:

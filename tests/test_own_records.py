@@ -13,16 +13,15 @@ from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.data import DataError
 from dpcfl_flwr.data.arrays import load_arrays
 from dpcfl_flwr.protocol import SILO_FAILED
-from dpcfl_flwr.silo.silo import Silo, records_problem
-from tests.test_malicious_server import Attacker, _node_config, _refused, _run_config, _update
-
-
-def _benchmark_records(tmp_path: Path):
-    """The records a deployed benchmark silo of the malicious-server tests trains on."""
-    attacker = Attacker(tmp_path / "benchmark")
-    silo = Silo(parse_node_config(attacker.context.node_config),
-                parse_run_config(attacker.context.run_config), 11)
-    return silo.data
+from dpcfl_flwr.silo.silo import records_problem
+from tests.test_malicious_server import (
+    Attacker,
+    _node_config,
+    _refused,
+    _run_config,
+    _update,
+    silo_data,
+)
 
 
 def _export(data, path: Path) -> Path:
@@ -39,7 +38,7 @@ def _arrays_node(tmp_path: Path, path: Path, **extra) -> dict:
 
 
 def test_the_same_records_as_arrays_train_the_same_round(tmp_path, server_task_identity):
-    data = _benchmark_records(tmp_path)
+    data = silo_data(Attacker(tmp_path / "benchmark"))  # a benchmark silo's records
     path = _export(data, tmp_path / "records.npz")
     seeded = {"noise-seed": 7}
     benchmark = Attacker(tmp_path / "benchmark", _node_config(tmp_path / "benchmark", **seeded))

@@ -104,11 +104,11 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
         _check_pair(x, y, where)
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: labels y must be integers, got {y.dtype}")
-        features = np.asarray(x, dtype=np.float32)
+        features = np.array(x, dtype=np.float32)  # one copy, out of a memory map
         if not np.isfinite(features).all():
             raise DataError(f"{where}: records hold NaN or infinite values")
-        tensors[f"x_{name}"] = torch.from_numpy(features.copy())
-        tensors[f"y_{name}"] = torch.from_numpy(np.asarray(y, dtype=np.int64).copy())
+        tensors[f"x_{name}"] = torch.from_numpy(features)
+        tensors[f"y_{name}"] = torch.from_numpy(np.array(y, dtype=np.int64))
     if "x_val" not in tensors:  # a given split without validation records
         tensors["x_val"], tensors["y_val"] = tensors["x_train"][:0], tensors["y_train"][:0]
     if len(tensors["y_train"]) < 2:

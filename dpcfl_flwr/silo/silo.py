@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +46,7 @@ from ..privacy.ledger import (
     ledger_lock,
 )
 from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
-from ..privacy.schedule import Schedule, two_stage_schedule
+from ..privacy.schedule import Schedule, steps_per_round, two_stage_schedule
 from ..privacy.selection import accuracy_sensitivity, select_cluster
 from .requests import BadRequest
 
@@ -79,8 +78,9 @@ def _client_data(silo: SiloConfig) -> ClientData:
     """The records of a resolved silo config (cached: a warm silo answers every round): its own
     arrays, or its part of a benchmark dataset with the paper's shift."""
     if silo.data_source == "arrays":
+        assert silo.test_fraction is not None  # resolved
         return load_arrays(silo.data_path, silo.partition_id, int(silo.data_seed or 0),
-                           float(silo.val_fraction or 0), float(silo.test_fraction or 0.2))
+                           float(silo.val_fraction or 0), silo.test_fraction)
     assert silo.dataset and silo.shift and silo.data_draw  # resolved
     train, test = load_dataset(silo.dataset, silo.data_dir or None)
     return make_client_data(train, test, silo.partition_id, silo.topology, silo.shift,
@@ -339,7 +339,8 @@ class Silo:
             if size != "full" and size > n:
                 raise BadRequest(f"train message: '{field}' = {size} exceeds this silo's {n} "
                                  "training records")
-            steps = schedule.local_epochs * math.ceil(n / (n if size == "full" else size))
+            steps = int(steps_per_round(n, n if size == "full" else size,
+                                        schedule.local_epochs))
             if steps > limit:
                 raise BadRequest(
                     f"train message: 'local-epochs' = {schedule.local_epochs} with "
