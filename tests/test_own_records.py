@@ -83,6 +83,8 @@ def test_a_directory_of_npy_files_is_memory_mapped(tmp_path):
      "must be integers"),
     (lambda d: np.savez(d / "r.npz", x_train=np.zeros((6, 1, 28, 28)), y_train=np.zeros(6, int)),
      "missing x_test, y_test"),
+    (lambda d: np.save(d / "r.npz.npy", np.zeros((6, 1, 28, 28))) or (d / "r.npz.npy").rename(
+        d / "r.npz"), "a single array"),
 ])
 def test_a_bad_file_is_one_line_naming_it(tmp_path, make, words):
     make(tmp_path)

@@ -44,12 +44,14 @@ def _arrays(path: Path) -> Mapping[str, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: no such file or directory")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not hasattr(archive, "files"):
-                raise DataError(f"{path}: a single array, expected an .npz of named arrays")
-            return {name: archive[name] for name in archive.files}
+        loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise DataError(f"{path}: not an .npz archive of arrays ({exc})") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise DataError(f"{path}: a single array; expected an .npz of named arrays (x, y) or "
+                        "a directory of .npy files")
+    with loaded:
+        return {name: loaded[name] for name in loaded.files}
 
 
 def _split_given(arrays: Mapping[str, np.ndarray], path: Path
