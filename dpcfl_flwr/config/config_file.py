@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..data.schema import Schema
 from .settings import ExperimentConfig, parse_run_config
+from .validation import ConfigError
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> ExperimentConfig:
@@ -60,3 +62,27 @@ def toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+#: The run-config keys of the federation's data schema (docs/own-data.md).
+SCHEMA_KEYS = ("input-shape", "num-classes", "class-names", "features", "label-column",
+               "missing-values", "image-mean", "image-std")
+
+
+def load_schema(path: str | Path) -> Schema:
+    """The federation's schema from a TOML file of schema keys (:data:`SCHEMA_KEYS`; a whole
+    run config is accepted and its other keys ignored): what a silo expects before a run
+    tells it, or what ``dpcfl data check --schema`` checks against. ConfigError in one line."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the schema file ({exc})") from None
+    keys = flat_keys(data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data))
+    schema = {key: value for key, value in keys.items() if key in SCHEMA_KEYS}
+    if not schema:
+        raise ConfigError(f"{path}: no schema keys ({', '.join(SCHEMA_KEYS)})")
+    try:
+        return parse_run_config(schema).data_schema
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ..data import Topology
+from ..data.schema import Schema, parse_features, parse_floats
+from ..data.sources import source_names
 from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
@@ -42,9 +44,19 @@ class ExperimentConfig(ConfigModel):
     data_draw: Literal["per-client", "authors"] = "authors"
     model: Literal["cnn", "resnet18"] = "cnn"
     # the federation's data schema (docs/own-data.md): every silo's records have this input
-    # shape ("channels,height,width"; empty: the benchmark dataset's) and labels 0..C-1
+    # shape ("channels,height,width", a table's "width"; empty: the benchmark dataset's, or
+    # the features' width) and labels 0..C-1, named in order by class-names (optional); a
+    # table's feature columns in order ("age:number(54,9), sex:category(f|m)"), its label
+    # column and its rule for missing values; images normalised per channel after scaling
+    # pixels to [0, 1] (one value, or one per channel; empty: not normalised)
     input_shape: str = ""
     num_classes: int = Field(10, ge=2)
+    class_names: str = ""
+    features: str = ""
+    label_column: str = "label"
+    missing_values: Literal["refuse", "fill"] = "refuse"
+    image_mean: str = ""
+    image_std: str = ""
     # training schedule (docs/algorithm.md#hyper-parameters-and-defaults)
     num_server_rounds: int = Field(30, ge=1)
     local_epochs: int = Field(1, ge=1)
@@ -119,13 +131,43 @@ class ExperimentConfig(ConfigModel):
             parse_shape(value)
         return value
 
+    @field_validator("features")
+    @classmethod
+    def _valid_features(cls, value: str) -> str:
+        if value.strip():
+            parse_features(value)
+        return value
+
+    @field_validator("image_mean", "image_std")
+    @classmethod
+    def _valid_floats(cls, value: str) -> str:
+        parse_floats(value)
+        return value
+
+    @model_validator(mode="after")
+    def _valid_schema(self) -> ExperimentConfig:
+        self.data_schema  # noqa: B018 - builds the schema, raising ValueError naming what is wrong
+        return self
+
     @property
     def record_shape(self) -> tuple[int, ...]:
-        """The input shape every silo's records must have (the schema's, else the
-        benchmark dataset's)."""
+        """The input shape every silo's records must have (the schema's, else the features'
+        width, else the benchmark dataset's)."""
         if self.input_shape.strip():
             return parse_shape(self.input_shape)
+        if self.features.strip():
+            return (sum(f.width for f in parse_features(self.features)),)
         return (3, 32, 32) if self.dataset == "cifar10" else (1, 28, 28)
+
+    @property
+    def data_schema(self) -> Schema:
+        """The federation's data schema (dpcfl_flwr.data.schema)."""
+        names = tuple(n.strip() for n in self.class_names.split(",")) \
+            if self.class_names.strip() else ()
+        return Schema(self.record_shape, self.num_classes, names,
+                      parse_features(self.features) if self.features.strip() else (),
+                      self.label_column, self.missing_values, parse_floats(self.image_mean),
+                      parse_floats(self.image_std))
 
     @field_validator("clusters", mode="before")
     @classmethod
@@ -237,11 +279,16 @@ class SiloConfig(ConfigModel):
     ledger_path: str = ""
     data_dir: str = ""
     # the silo's records (docs/own-data.md): a benchmark dataset with the paper's shift
-    # ("benchmark", the keys below), or its own arrays at data-path ("arrays"), split with its
-    # data-seed (test-fraction for test, val-fraction of the rest for validation) unless the
-    # file gives the split
-    data_source: Literal["benchmark", "arrays"] | None = None
+    # ("benchmark", the keys below), or its own records at data-path ("arrays",
+    # "image-folder", "table", or an installed plug-in's source), split with its data-seed
+    # (test-fraction for test, val-fraction of the rest for validation) unless the records
+    # give the split (a table's split-column: train / val / test). schema-file: the
+    # federation's schema as the silo expects it (a TOML file of the run config's schema
+    # keys), so that `dpcfl client` checks the records fully before it joins
+    data_source: str | None = None
     data_path: str = ""
+    split_column: str = ""
+    schema_file: str = ""
     test_fraction: float | None = Field(None, gt=0.0, lt=1.0)
     dataset: Literal["fmnist", "mnist", "cifar10"] | None = None
     clusters: str | None = None
@@ -291,6 +338,15 @@ class SiloConfig(ConfigModel):
             raise ValueError("must be 'cpu', 'cuda' or 'cuda:<index>'")
         return value
 
+    @field_validator("data_source")
+    @classmethod
+    def _known_source(cls, value: str | None) -> str | None:
+        names = source_names()
+        if value is not None and value not in names:
+            raise ValueError(f"not a data source installed on this silo; choose from "
+                             f"{', '.join(names)}")
+        return value
+
     @field_validator("clusters")
     @classmethod
     def _valid_topology(cls, value: str | None) -> str | None:
@@ -337,9 +393,9 @@ class SiloConfig(ConfigModel):
                           else DEFAULT_ACCOUNTANT)
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
-        if resolved.data_source == "arrays" and not resolved.data_path:
-            raise ConfigError("node config: data-source = arrays needs data-path (the silo's "
-                              ".npz file or directory of .npy files)")
+        if resolved.data_source != "benchmark" and not resolved.data_path:
+            raise ConfigError(f"node config: data-source = {resolved.data_source} needs "
+                              "data-path (the silo's records: a file or directory)")
         if resolved.privatiser == "dprivacy":
             missing = [kebab(key) for key in ("dprivacy_noise", "dprivacy_leakage_budget")
                        if getattr(resolved, key) is None]

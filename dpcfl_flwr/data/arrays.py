@@ -26,8 +26,7 @@ import torch
 
 from .partition import ClientData
 from .readers import DataError
-
-_SPLITS = ("train", "val", "test")
+from .sources import SPLITS, SourceRequest, check_training_records, draw_split
 
 
 def _arrays(path: Path) -> Mapping[str, np.ndarray]:
@@ -56,7 +55,7 @@ def _arrays(path: Path) -> Mapping[str, np.ndarray]:
 
 def _split_given(arrays: Mapping[str, np.ndarray], path: Path
                  ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
-    named = {f"{a}_{s}" for a in "xy" for s in _SPLITS}
+    named = {f"{a}_{s}" for a in "xy" for s in SPLITS}
     present = named & set(arrays)
     if not present:
         return None
@@ -64,7 +63,7 @@ def _split_given(arrays: Mapping[str, np.ndarray], path: Path
     if not needed <= present:
         raise DataError(f"{path}: a given split needs x_train, y_train, x_test, y_test; "
                         f"missing {', '.join(sorted(needed - present))}")
-    return {s: (arrays[f"x_{s}"], arrays[f"y_{s}"]) for s in _SPLITS if f"x_{s}" in arrays}
+    return {s: (arrays[f"x_{s}"], arrays[f"y_{s}"]) for s in SPLITS if f"x_{s}" in arrays}
 
 
 def _split_drawn(arrays: Mapping[str, np.ndarray], path: Path, seed: int,
@@ -75,13 +74,8 @@ def _split_drawn(arrays: Mapping[str, np.ndarray], path: Path, seed: int,
                         f"y_test), found {', '.join(sorted(arrays)) or 'none'}")
     x, y = arrays["x"], arrays["y"]
     _check_pair(x, y, f"{path}")
-    n = len(y)
-    order = np.random.default_rng(seed).permutation(n)
-    n_test = int(round(test_fraction * n))
-    n_val = int(round(val_fraction * (n - n_test)))
-    parts = {"test": order[:n_test], "val": order[n_test:n_test + n_val],
-             "train": order[n_test + n_val:]}
-    return {s: (x[np.sort(rows)], y[np.sort(rows)]) for s, rows in parts.items()}
+    parts = draw_split(len(y), seed, val_fraction, test_fraction)
+    return {s: (x[rows], y[rows]) for s, rows in parts.items()}
 
 
 def _check_pair(x: np.ndarray, y: np.ndarray, where: str) -> None:
@@ -113,11 +107,15 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
         tensors[f"y_{name}"] = torch.from_numpy(np.array(y, dtype=np.int64))
     if "x_val" not in tensors:  # a given split without validation records
         tensors["x_val"], tensors["y_val"] = tensors["x_train"][:0], tensors["y_train"][:0]
-    if len(tensors["y_train"]) < 2:
-        raise DataError(f"{path}: {len(tensors['y_train'])} training records; a silo needs "
-                        "at least 2")
-    return ClientData(client_id, -1, tensors["x_train"], tensors["y_train"], tensors["x_val"],
-                      tensors["y_val"], tensors["x_test"], tensors["y_test"])
+    return check_training_records(
+        ClientData(client_id, -1, tensors["x_train"], tensors["y_train"], tensors["x_val"],
+                   tensors["y_val"], tensors["x_test"], tensors["y_test"]), path)
+
+
+def load_arrays_source(request: SourceRequest) -> ClientData:
+    """The ``arrays`` data source: :func:`load_arrays` on the silo's ``data-path``."""
+    return load_arrays(request.path, request.client_id, request.seed, request.val_fraction,
+                       request.test_fraction)
 
 
 def check_schema(data: ClientData, input_shape: tuple[int, ...], num_classes: int,
@@ -126,7 +124,7 @@ def check_schema(data: ClientData, input_shape: tuple[int, ...], num_classes: in
     differs. The line reaches the server (the refusal's reason), so it says which part of the
     schema is not met and no statistic of the records: no counts, no values, no label
     histogram."""
-    for split in _SPLITS:
+    for split in SPLITS:
         x, y = getattr(data, f"x_{split}"), getattr(data, f"y_{split}")
         if len(y) == 0:
             continue

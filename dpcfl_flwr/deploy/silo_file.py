@@ -56,13 +56,14 @@ from typing import Any
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
+from ..config.config_file import load_schema
 from ..config.settings import SiloConfig, parse_node_config, parse_run_config
 from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..flower_compat.environment import flower_tool
 from .certs import certificate_problems
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
-PATH_KEYS_NODE = ("ledger-path", "data-dir", "data-path")
+PATH_KEYS_NODE = ("ledger-path", "data-dir", "data-path", "schema-file")
 
 
 class SiloFile(ConfigModel):
@@ -129,7 +130,12 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
         if not settings.data_dir or Path(settings.data_dir).is_dir():  # else said below
             from ..silo.silo import records_problem  # noqa: PLC0415 (torch, once flags parse)
 
-            problems += [problem for problem in [records_problem(settings)] if problem]
+            try:
+                schema = load_schema(settings.schema_file) if settings.schema_file else None
+            except ConfigError as exc:
+                problems.append(str(exc))
+            else:
+                problems += [p for p in [records_problem(settings, schema)] if p]
     if silo.insecure and silo.root_certificates:
         problems.append("insecure = true and root-certificates are both set: choose one")
     if not silo.insecure and not silo.root_certificates:

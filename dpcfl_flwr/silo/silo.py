@@ -22,8 +22,10 @@ import numpy as np
 import torch
 
 from ..config.settings import ExperimentConfig, SiloConfig
-from ..data import ClientData, DataError, load_dataset, make_client_data
-from ..data.arrays import check_schema, load_arrays
+from ..data import ClientData, DataError
+from ..data.arrays import check_schema
+from ..data.schema import Schema
+from ..data.sources import SourceRequest, load_records
 from ..dpsgd.training import (
     DPSGDConfig,
     configure_threads,
@@ -74,31 +76,45 @@ class SiloPlan:
 
 
 @functools.lru_cache(maxsize=32)
-def _client_data(silo: SiloConfig) -> ClientData:
-    """The records of a resolved silo config (cached: a warm silo answers every round): its own
-    arrays, or its part of a benchmark dataset with the paper's shift."""
-    if silo.data_source == "arrays":
-        assert silo.test_fraction is not None  # resolved
-        return load_arrays(silo.data_path, silo.partition_id, int(silo.data_seed or 0),
-                           float(silo.val_fraction or 0), silo.test_fraction)
-    assert silo.dataset and silo.shift and silo.data_draw  # resolved
-    train, test = load_dataset(silo.dataset, silo.data_dir or None)
-    return make_client_data(train, test, silo.partition_id, silo.topology, silo.shift,
-                            int(silo.samples_per_client or 0), seed=int(silo.data_seed or 0),
-                            val_fraction=float(silo.val_fraction or 0),
-                            test_samples=silo.test_samples or None, dataset=silo.dataset,
-                            draw=silo.data_draw)
+def _client_data(silo: SiloConfig, schema: Schema | None) -> ClientData:
+    """The records of a resolved silo config from its data source (cached: a warm silo
+    answers every round), built to ``schema`` (None: before a run's schema is known, for a
+    source that needs none: the benchmarks and arrays)."""
+    assert silo.test_fraction is not None and silo.data_source  # resolved
+    options = silo.model_dump(by_alias=True)
+    options["clusters"] = ",".join(map(str, silo.topology.cluster_sizes))
+    path = Path(silo.data_path) if silo.data_path else Path(".")
+    request = SourceRequest(path, silo.partition_id, int(silo.data_seed or 0),
+                            float(silo.val_fraction or 0), silo.test_fraction,
+                            schema or _SCHEMA_FREE, options)
+    return load_records(silo.data_source, request)
 
 
-def records_problem(settings: SiloConfig) -> str | None:
+#: The sources that read records without the federation's schema (it is checked after).
+_SCHEMA_FREE_SOURCES = ("benchmark", "arrays")
+#: What such a source is handed before a run's schema is known: it reads records as stored.
+_SCHEMA_FREE = Schema((1,), 2)
+
+
+def records_problem(settings: SiloConfig, schema: Schema | None = None) -> str | None:
     """Why a silo with these resolved settings could not build its train / validation / test
-    split (its partition outside its topology, a missing or damaged data file), in one line;
-    None: it can. ``dpcfl client`` asks before the silo connects, so a silo that would fail
-    every message never joins a run."""
+    split (its partition outside its topology, a missing or damaged data file, records that
+    do not fit ``schema``), in one line; None: it can. ``dpcfl client`` asks before the silo
+    connects, so a silo that would fail every message never joins a run. Without a schema, a
+    source that builds records to one (an image folder, a table) is only checked for its
+    path."""
     try:
-        if settings.data_source != "arrays":
+        if settings.data_source == "benchmark":
             settings.topology.cluster_of(settings.partition_id)
-        records = _client_data(settings).num_train
+        if schema is None and settings.data_source not in _SCHEMA_FREE_SOURCES:
+            if not Path(settings.data_path).exists():
+                raise DataError(f"{settings.data_path}: no such file or directory")
+            return None
+        data = _client_data(settings, schema)
+        if schema is not None:
+            check_schema(data, schema.input_shape, schema.num_classes,
+                         f"records {settings.data_path or settings.dataset}")
+        records = data.num_train
     except (DataError, ValueError, OSError) as exc:
         return f"the silo's records: {exc}"
     if settings.batch_size is not None and settings.batch_size > records:
@@ -133,17 +149,19 @@ class Silo:
     def data(self) -> ClientData:
         """The silo's records, checked against the federation's schema (DataError naming
         what differs, before anything is trained or charged)."""
-        data = _client_data(self.silo)
+        schema = self.experiment.data_schema
+        data = _client_data(self.silo, None if self.silo.data_source in _SCHEMA_FREE_SOURCES
+                            else schema)
         where = (f"silo {self.silo.partition_id}: records "
                  f"{self.silo.data_path or self.silo.dataset}")
-        check_schema(data, self.experiment.record_shape, self.experiment.num_classes, where)
+        check_schema(data, schema.input_shape, schema.num_classes, where)
         return data
 
     @property
     def true_cluster(self) -> int:
         """The operator's label of the silo's group (evaluation only): set in its node
         config, else the benchmark topology's; -1 for its own records without a label."""
-        if self.silo.true_cluster >= 0 or self.silo.data_source == "arrays":
+        if self.silo.true_cluster >= 0 or self.silo.data_source != "benchmark":
             return self.silo.true_cluster
         return self.silo.topology.cluster_of(self.silo.partition_id)
 
