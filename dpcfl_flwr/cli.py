@@ -387,6 +387,7 @@ def _register_deployment_commands() -> None:
     app.command("client")(commands.client)
     app.command("submit")(commands.submit)
     app.add_typer(commands.topology_app, name="topology")
+    app.add_typer(commands.data_app, name="data")
 
 
 _register_deployment_commands()

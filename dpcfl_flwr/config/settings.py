@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from ..data import Topology
 from ..data.schema import Schema, parse_features, parse_floats
-from ..data.sources import source_names
+from ..data.sources import is_source, source_names
 from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
@@ -42,6 +42,12 @@ class ExperimentConfig(ConfigModel):
     # "authors": seed s gives every silo the records the authors' code gives it with --seed s,
     # so a run can be set beside theirs; "per-client": each silo's draw seeded on its own
     data_draw: Literal["per-client", "authors"] = "authors"
+    # simulation only (a deployed silo's own file names its records): every silo's data
+    # source, and silo i's records at item i of silo-data-paths (comma-separated, or one path
+    # with {partition} in it), given split in a table's split-column (docs/own-data.md)
+    data_source: str = "benchmark"
+    silo_data_paths: str = ""
+    split_column: str = ""
     model: Literal["cnn", "resnet18"] = "cnn"
     # the federation's data schema (docs/own-data.md): every silo's records have this input
     # shape ("channels,height,width", a table's "width"; empty: the benchmark dataset's, or
@@ -122,6 +128,14 @@ class ExperimentConfig(ConfigModel):
         names = registry.method_names()
         if value not in names:
             raise ValueError(f"not a registered method; choose from {', '.join(names)}")
+        return value
+
+    @field_validator("data_source")
+    @classmethod
+    def _installed_source(cls, value: str) -> str:
+        if not is_source(value):
+            raise ValueError(f"not an installed data source; choose from "
+                             f"{', '.join(source_names())}")
         return value
 
     @field_validator("input_shape")
@@ -214,7 +228,28 @@ class ExperimentConfig(ConfigModel):
                 values[field_name] = listed[partition]
         if partition in partition_list("lying-silos", self.lying_silos, count):
             values["reported_epsilon"] = self.lie_factor * values.get("epsilon", self.epsilon)
+        path = self.silo_data_path(partition)
+        if path:
+            values["data_path"] = path
+        if self.data_source != "benchmark" and partition < count:
+            # the topology is the operator's label of each silo's group (evaluation only)
+            values["true_cluster"] = self.topology.cluster_of(partition)
         return values
+
+    def silo_data_path(self, partition: int) -> str:
+        """Silo ``partition``'s records in simulation (empty: none named). ValueError when
+        the list does not give one path per silo."""
+        spec = self.silo_data_paths.strip()
+        if not spec:
+            return ""
+        if "{partition}" in spec:
+            return spec.replace("{partition}", str(partition))
+        paths = [part.strip() for part in spec.split(",")]
+        count = self.topology.num_clients
+        if len(paths) != count or not all(paths):
+            raise ValueError(f"silo-data-paths gives {len(paths)} paths for {count} silos "
+                             "(one per silo, comma-separated, or one path with {partition})")
+        return paths[partition] if partition < count else ""
 
     @model_validator(mode="after")
     def _rule_applies(self) -> ExperimentConfig:
@@ -341,10 +376,9 @@ class SiloConfig(ConfigModel):
     @field_validator("data_source")
     @classmethod
     def _known_source(cls, value: str | None) -> str | None:
-        names = source_names()
-        if value is not None and value not in names:
+        if value is not None and not is_source(value):
             raise ValueError(f"not a data source installed on this silo; choose from "
-                             f"{', '.join(names)}")
+                             f"{', '.join(source_names())}")
         return value
 
     @field_validator("clusters")
@@ -409,7 +443,7 @@ class SiloConfig(ConfigModel):
         explicit 0 elsewhere (``data-seed = 0``) is the silo's choice."""
         value = getattr(self, key)
         return (value is None or value == "" or (key == "threads" and value == 0)
-                or (key == "noise_seed" and value < 0))
+                or (key in ("noise_seed", "true_cluster") and value < 0))
 
     @property
     def topology(self) -> Topology:
@@ -435,7 +469,7 @@ _PER_SILO = (("silo-epsilons", "epsilon", float), ("silo-deltas", "delta", float
 
 #: The data-split settings a silo reads from its node config (simulation: the run config).
 _SPLIT_KEYS = ("dataset", "clusters", "shift", "samples_per_client", "val_fraction",
-               "test_samples", "data_draw")
+               "test_samples", "data_draw", "data_source", "split_column")
 #: What a deployed silo must set itself: no default could be right for every silo.
 DEPLOYMENT_REQUIRED = ("epsilon", "delta", "ledger_path")
 

@@ -96,6 +96,19 @@ _SCHEMA_FREE_SOURCES = ("benchmark", "arrays")
 _SCHEMA_FREE = Schema((1,), 2)
 
 
+def client_records(settings: SiloConfig, schema: Schema | None) -> ClientData:
+    """A resolved silo's records, built to ``schema`` (None: not known yet; only a source
+    that reads records as stored, the benchmarks and arrays, can do without). The schema is
+    not checked here (:func:`~..data.arrays.check_schema`)."""
+    if settings.data_source in _SCHEMA_FREE_SOURCES:
+        return _client_data(settings, None)
+    if schema is None:
+        raise DataError(f"data-source {settings.data_source} builds records to the "
+                        "federation's schema: give it (schema-file in the silo file, or "
+                        "--schema)")
+    return _client_data(settings, schema)
+
+
 def records_problem(settings: SiloConfig, schema: Schema | None = None) -> str | None:
     """Why a silo with these resolved settings could not build its train / validation / test
     split (its partition outside its topology, a missing or damaged data file, records that
@@ -110,7 +123,7 @@ def records_problem(settings: SiloConfig, schema: Schema | None = None) -> str |
             if not Path(settings.data_path).exists():
                 raise DataError(f"{settings.data_path}: no such file or directory")
             return None
-        data = _client_data(settings, schema)
+        data = client_records(settings, schema)
         if schema is not None:
             check_schema(data, schema.input_shape, schema.num_classes,
                          f"records {settings.data_path or settings.dataset}")
@@ -150,8 +163,7 @@ class Silo:
         """The silo's records, checked against the federation's schema (DataError naming
         what differs, before anything is trained or charged)."""
         schema = self.experiment.data_schema
-        data = _client_data(self.silo, None if self.silo.data_source in _SCHEMA_FREE_SOURCES
-                            else schema)
+        data = client_records(self.silo, schema)
         where = (f"silo {self.silo.partition_id}: records "
                  f"{self.silo.data_path or self.silo.dataset}")
         check_schema(data, schema.input_shape, schema.num_classes, where)
@@ -380,7 +392,7 @@ class Silo:
                           round_number=round_number, seed=self.charge_seed(), prox=prox)
         self.charge(result.entries)
         metrics: dict[str, float] = {"num-examples": self.data.num_train}
-        if not self.private_metrics:
+        if not self.private_metrics and len(self.data.y_val):  # a given split may have none
             metrics["val-loss"], metrics["val-accuracy"] = evaluate(
                 model, self.data.x_val, self.data.y_val)
         return result.update, metrics
