@@ -26,6 +26,7 @@ import torch
 
 from .partition import ClientData
 from .readers import DataError
+from .records import Inputs, LazyRecords
 from .sources import SPLITS, SourceRequest, check_training_records, draw_split
 
 
@@ -53,8 +54,11 @@ def _arrays(path: Path) -> Mapping[str, np.ndarray]:
         return {name: loaded[name] for name in loaded.files}
 
 
-def _split_given(arrays: Mapping[str, np.ndarray], path: Path
-                 ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+#: A split as arrays: records, labels, and which of their rows it holds (None: all).
+_Split = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+
+
+def _split_given(arrays: Mapping[str, np.ndarray], path: Path) -> _Split | None:
     named = {f"{a}_{s}" for a in "xy" for s in SPLITS}
     present = named & set(arrays)
     if not present:
@@ -63,19 +67,19 @@ def _split_given(arrays: Mapping[str, np.ndarray], path: Path
     if not needed <= present:
         raise DataError(f"{path}: a given split needs x_train, y_train, x_test, y_test; "
                         f"missing {', '.join(sorted(needed - present))}")
-    return {s: (arrays[f"x_{s}"], arrays[f"y_{s}"]) for s in SPLITS if f"x_{s}" in arrays}
+    return {s: (arrays[f"x_{s}"], arrays[f"y_{s}"], None) for s in SPLITS
+            if f"x_{s}" in arrays}
 
 
 def _split_drawn(arrays: Mapping[str, np.ndarray], path: Path, seed: int,
-                 val_fraction: float, test_fraction: float
-                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                 val_fraction: float, test_fraction: float) -> _Split:
     if "x" not in arrays or "y" not in arrays:
         raise DataError(f"{path}: expected arrays x and y (or x_train, y_train, x_test, "
                         f"y_test), found {', '.join(sorted(arrays)) or 'none'}")
     x, y = arrays["x"], arrays["y"]
     _check_pair(x, y, f"{path}")
     parts = draw_split(len(y), seed, val_fraction, test_fraction)
-    return {s: (x[rows], y[rows]) for s, rows in parts.items()}
+    return {s: (x, y, rows) for s, rows in parts.items()}
 
 
 def _check_pair(x: np.ndarray, y: np.ndarray, where: str) -> None:
@@ -89,27 +93,30 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
     """The silo's records at ``path`` as its train / validation / test split (given, or
     drawn with ``seed``: ``test_fraction`` of the records for test, ``val_fraction`` of the
     rest for validation). Checks the arrays' layout, labels and values, not the schema
-    (:func:`check_schema`)."""
+    (:func:`check_schema`). Records of ``.npy`` files stay in their files and are read when
+    training uses them (:class:`~.records.LazyRecords`); an ``.npz`` is read into memory."""
     path = Path(path)
     arrays = _arrays(path)
     split = _split_given(arrays, path) or _split_drawn(arrays, path, seed, val_fraction,
                                                          test_fraction)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (x, y) in split.items():
+    inputs: dict[str, Inputs] = {}
+    labels: dict[str, torch.Tensor] = {}
+    for name, (x, y, rows) in split.items():
         where = f"{path} ({name})"
         _check_pair(x, y, where)
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: labels y must be integers, got {y.dtype}")
-        features = np.array(x, dtype=np.float32)  # one copy, out of a memory map
-        if not np.isfinite(features).all():
+        chosen = np.arange(len(y)) if rows is None else rows
+        records = LazyRecords(x.__getitem__, chosen, tuple(x.shape[1:]))
+        if not all(bool(torch.isfinite(chunk).all()) for chunk in records.chunks()):
             raise DataError(f"{where}: records hold NaN or infinite values")
-        tensors[f"x_{name}"] = torch.from_numpy(features)
-        tensors[f"y_{name}"] = torch.from_numpy(np.array(y, dtype=np.int64))
-    if "x_val" not in tensors:  # a given split without validation records
-        tensors["x_val"], tensors["y_val"] = tensors["x_train"][:0], tensors["y_train"][:0]
+        inputs[name] = records if isinstance(x, np.memmap) else records[:]
+        labels[name] = torch.from_numpy(np.array(y[chosen], dtype=np.int64))
+    if "val" not in inputs:  # a given split without validation records
+        inputs["val"], labels["val"] = inputs["train"][:0], labels["train"][:0]
     return check_training_records(
-        ClientData(client_id, -1, tensors["x_train"], tensors["y_train"], tensors["x_val"],
-                   tensors["y_val"], tensors["x_test"], tensors["y_test"]), path)
+        ClientData(client_id, -1, inputs["train"], labels["train"], inputs["val"],
+                   labels["val"], inputs["test"], labels["test"]), path)
 
 
 def load_arrays_source(request: SourceRequest) -> ClientData:

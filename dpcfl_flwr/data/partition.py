@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .readers import ImageSet
+from .records import Inputs
 
 SHIFTS = ("rotation", "label_flip")
 DRAWS = ("per-client", "authors")
@@ -137,17 +138,19 @@ class ClientIndices:
 class ClientData:
     """One client's shifted, normalised data, ready for torch.
 
-    ``x_*`` are float32 tensors (n, C, H, W), ``y_*`` int64 tensors (n,). ``indices`` records
-    where each row came from (``None`` for data built by hand, e.g. in tests).
+    ``x_*`` are float32 tensors (n, C, H, W) or records read when used (a silo's own data
+    larger than memory: :class:`~.records.LazyRecords`), ``y_*`` int64 tensors (n,).
+    ``indices`` records where each row came from (``None`` for data built by hand, e.g. in
+    tests).
     """
 
     client_id: int
     cluster: int
-    x_train: torch.Tensor
+    x_train: Inputs
     y_train: torch.Tensor
-    x_val: torch.Tensor
+    x_val: Inputs
     y_val: torch.Tensor
-    x_test: torch.Tensor
+    x_test: Inputs
     y_test: torch.Tensor
     indices: ClientIndices | None = None
 

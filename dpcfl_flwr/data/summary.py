@@ -7,6 +7,7 @@ locally and never sent anywhere; a silo releases only N_i and what DP covers
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from .arrays import check_schema
 from .partition import ClientData
 from .readers import DataError
+from .records import chunks_of
 from .schema import Schema
 
 
@@ -44,9 +46,12 @@ def summarise(data: ClientData, schema: Schema | None, where: str) -> RecordsSum
               "test": (data.x_test, data.y_test)}
     classes = schema.num_classes if schema else int(data.y_train.max()) + 1
     counts = torch.bincount(data.y_train.clamp(0, classes), minlength=classes + 1)[:classes]
-    nonempty = [x for x, _ in splits.values() if len(x)]
-    low = min(float(x.min()) for x in nonempty)
-    high = max(float(x.max()) for x in nonempty)
+    low, high = math.inf, -math.inf
+    for x, _ in splits.values():
+        for chunk in chunks_of(x):
+            low, high = min(low, float(chunk.min())), max(high, float(chunk.max()))
+    train_sum = sum(float(chunk.double().sum()) for chunk in chunks_of(data.x_train))
+    train_mean = train_sum / (data.num_train * math.prod(data.x_train.shape[1:]))
     problem = None
     if schema is not None:
         try:
@@ -55,4 +60,4 @@ def summarise(data: ClientData, schema: Schema | None, where: str) -> RecordsSum
             problem = str(exc)
     return RecordsSummary({name: len(y) for name, (_, y) in splits.items()},
                           tuple(data.x_train.shape[1:]), counts.tolist(),
-                          (low, high, float(data.x_train.float().mean())), problem)
+                          (low, high, train_mean), problem)

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..data.records import Inputs, in_memory
 from ..privacy.ledger import GaussianSteps
 from ..privacy.schedule import FULL_BATCH
 from .per_sample import ClippedSumEngine, make_engine
@@ -96,7 +97,7 @@ def chunk_size(model: nn.Module, requested: int | None) -> int:
 
 
 def _clipped_sum(
-    engine: ClippedSumEngine, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
+    engine: ClippedSumEngine, params: list[nn.Parameter], x: Inputs, y: torch.Tensor,
     clip_norm: float, chunk: int,
 ) -> list[torch.Tensor]:
     """Sum over the batch of per-sample gradients clipped to ``clip_norm``, chunk by chunk
@@ -104,7 +105,7 @@ def _clipped_sum(
     if x.shape[0] == 0:  # Poisson sampling may draw no record: the step is noise alone
         return [torch.zeros_like(p) for p in params]
     if x.shape[0] <= chunk:  # the common Poisson step: one chunk, nothing to accumulate
-        return engine.clipped_sum(x, y, clip_norm)
+        return engine.clipped_sum(in_memory(x), y, clip_norm)
     total = [torch.zeros_like(p) for p in params]
     for start in range(0, x.shape[0], chunk):
         for acc, part in zip(total, engine.clipped_sum(x[start:start + chunk],
@@ -192,7 +193,7 @@ class DPSGDStepper:
         self.chunk = chunk_size(model, config.physical_batch_size)
         self.noise = secure_generator(noise_seed)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor,
+    def step(self, x: Inputs, y: torch.Tensor,
              extra: list[torch.Tensor] | None = None) -> None:
         """One noisy SGD step on the logical batch (x, y), plus ``extra`` clipped gradients
         (the audit's canaries) summed in before the noise."""
@@ -208,7 +209,7 @@ class DPSGDStepper:
 
 
 def train_dp(
-    model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig,
+    model: nn.Module, x_train: Inputs, y_train: torch.Tensor, config: DPSGDConfig,
     *, round_number: int | None = None, seed: int | None = None,
     prox: tuple[float, dict[str, torch.Tensor]] | None = None, audit: AuditHook | None = None,
 ) -> TrainResult:
@@ -246,7 +247,7 @@ def train_dp(
     return TrainResult(update, [cost], n, steps, sampled)
 
 
-def train_sgd(model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor,
+def train_sgd(model: nn.Module, x_train: Inputs, y_train: torch.Tensor,
               learning_rate: float, batch_size: int, epochs: int = 1,
               seed: int | None = None) -> dict[str, torch.Tensor]:
     """Plain (not private) local SGD on ``model`` in place: ``epochs`` passes over the records
@@ -307,7 +308,7 @@ def bounded_losses(losses: torch.Tensor, loss_bound: float) -> torch.Tensor:
 
 @torch.inference_mode()
 def evaluation_sums(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_bound: float = math.inf,
+    model: nn.Module, x: Inputs, y: torch.Tensor, loss_bound: float = math.inf,
     batch_size: int = 1024,
 ) -> tuple[float, int]:
     """Sum of per-record cross-entropy (nats, each in [0, ``loss_bound``], a non-finite one
@@ -327,7 +328,7 @@ def evaluation_sums(
 
 
 def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+    model: nn.Module, x: Inputs, y: torch.Tensor, batch_size: int = 1024
 ) -> tuple[float, float]:
     """Mean cross-entropy and accuracy (a fraction in [0, 1]) of ``model`` on (x, y)."""
     loss_sum, correct = evaluation_sums(model, x, y, batch_size=batch_size)

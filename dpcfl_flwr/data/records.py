@@ -1,0 +1,80 @@
+"""Records read when they are used, so a silo whose data is larger than its memory trains with
+bounded memory (docs/own-data.md#data-larger-than-memory).
+
+DP-SGD never needs every record at once: a Poisson step draws a mask of rows, the full-batch
+round and every evaluation walk the records chunk by chunk. :class:`LazyRecords` answers
+exactly those requests (a slice, a boolean mask, an index array) by reading just those rows
+from where the records live (a memory-mapped ``.npy`` file, ...), and behaves like the
+in-memory float32 tensor it stands for in everything the training code asks of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+#: Reads the given rows (sorted or not, numbers of rows where the records live) as a float32
+#: array of shape (len(rows), *record_shape).
+RowReader = Callable[[np.ndarray], np.ndarray]
+
+#: How many records a pass over all of them reads at once (a chunk of 28x28 images: 12 MB).
+PASS_CHUNK = 4096
+
+
+class LazyRecords:
+    """A split's records (``rows`` of the store ``read`` reads), read on demand.
+
+    Indexing with a slice, a boolean mask or an index array (numpy or torch) returns a float32
+    tensor of just those records; ``shape`` and ``len`` are the split's.
+    """
+
+    def __init__(self, read: RowReader, rows: np.ndarray, record_shape: tuple[int, ...]
+                 ) -> None:
+        self._read, self.rows, self.record_shape = read, np.asarray(rows), record_shape
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), *self.record_shape))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key: slice | np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(key, torch.Tensor):
+            key = key.numpy()
+        rows = self.rows[key]
+        if len(rows) == 0:
+            return torch.zeros((0, *self.record_shape))
+        block = np.asarray(self._read(rows), dtype=np.float32)
+        return torch.from_numpy(np.ascontiguousarray(block).reshape(len(rows),
+                                                                    *self.record_shape))
+
+    def subset(self, positions: np.ndarray) -> LazyRecords:
+        """The records at ``positions`` of this split (a split drawn from all records)."""
+        return LazyRecords(self._read, self.rows[positions], self.record_shape)
+
+    def chunks(self, size: int = PASS_CHUNK) -> Iterator[torch.Tensor]:
+        """Every record, in order, ``size`` at a time (one pass, bounded memory)."""
+        for start in range(0, len(self), size):
+            yield self[start:start + size]
+
+
+#: A split's inputs: in memory, or read when used.
+Inputs = torch.Tensor | LazyRecords
+
+
+def in_memory(x: Inputs) -> torch.Tensor:
+    """``x`` as a tensor: itself, or every record read (only for a batch that is needed whole,
+    e.g. one chunk of a full-batch step)."""
+    return x if isinstance(x, torch.Tensor) else x[:]
+
+
+def chunks_of(x: Inputs, size: int = PASS_CHUNK) -> Iterator[torch.Tensor]:
+    """The records of ``x``, ``size`` at a time."""
+    if isinstance(x, LazyRecords):
+        yield from x.chunks(size)
+    else:
+        for start in range(0, x.shape[0], size):
+            yield x[start:start + size]
