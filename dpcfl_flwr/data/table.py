@@ -1,0 +1,247 @@
+"""A silo's own table of records (``data-source = "table"``; docs/own-data.md).
+
+``data-path`` is a CSV file (``.csv``, a header row, comma-separated), a Parquet file
+(``.parquet`` or ``.pq``), or a directory of such files read as one table (files in name order,
+hidden files ignored, any other file refused). Read with pyarrow.
+
+The federation's schema says what a record is:
+
+- ``features``, in order, become the model's input (float32, the schema's feature width):
+  ``number`` as ``(value - mean) / scale`` (computed in float64), ``category(a|b|c)`` as one
+  indicator per listed value, the value compared as text with surrounding spaces trimmed (a
+  Parquet number 3 or 3.0 reads as ``3``);
+- the label column (``label-column``) holds the schema's class names, or integer labels
+  0..C-1 when the schema names none;
+- the silo's ``split-column`` (its own node config), if set, gives each record's split
+  (``train``, ``val`` or ``test``); otherwise the split is drawn with its ``data-seed``.
+
+Columns the schema does not list are ignored (a silo's file may hold more than the
+federation trains on), except the label and split columns. A value is missing when it is
+null, empty text (after trimming), or NaN in a number column. With ``missing-values =
+refuse`` a missing feature value refuses the records; with ``fill`` a missing number becomes
+its schema mean (0 once standardised) and a missing category every indicator 0. The fill
+values come from the schema only: a value computed from the silo's other records would make
+one record's features depend on the others, which per-record DP does not allow for. A
+missing label or split value is always refused.
+
+Every problem is one line naming the file and the column, never a record's value: a
+refusal's reason reaches the server. Batches of rows (a Parquet row group, a block of CSV)
+are converted one at a time by :func:`convert_batch`, so reading can later become lazy; for
+now the converted blocks are joined into in-memory tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import torch
+
+from .partition import ClientData
+from .readers import DataError
+from .assembly import class_labels, client_data, split_rows
+from .schema import Feature, Schema
+from .sources import SPLITS, SourceRequest
+
+logger = logging.getLogger(__name__)
+
+#: File name endings read as tables (compared in lower case), and their format.
+TABLE_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A batch of rows built to the schema: ``features`` float32 (rows, feature width),
+    ``labels`` int64 (rows,), ``splits`` (rows,) indices of :data:`~.sources.SPLITS`, or
+    None when the silo has no split column."""
+
+    features: np.ndarray
+    labels: np.ndarray
+    splits: np.ndarray | None
+
+
+def load_table(request: SourceRequest) -> ClientData:
+    """The ``table`` data source: the table at the silo's ``data-path`` (module docstring),
+    its features as float32 tensors (n, feature width), its labels and its split."""
+    schema, path = request.schema, request.path
+    split_column = str(request.options.get("split-column") or "")
+    columns = _used_columns(schema, split_column, path)
+    blocks = [convert_batch(batch, schema, split_column, file)
+              for file in _table_files(path)
+              for batch in _batches(file, columns, len(schema.features))]
+    if not blocks or not sum(len(b.labels) for b in blocks):
+        raise DataError(f"{path}: the table holds no records")
+    features = np.concatenate([b.features for b in blocks])
+    labels = np.concatenate([b.labels for b in blocks])
+    given = np.concatenate([b.splits for b in blocks if b.splits is not None]) \
+        if split_column else None
+    parts = {split: (torch.from_numpy(features[rows]), torch.from_numpy(labels[rows]))
+             for split, rows in split_rows(len(labels), given, request, path).items()}
+    return client_data(request.client_id, parts, path)
+
+
+def _used_columns(schema: Schema, split_column: str, path: Path) -> list[str]:
+    """The columns read: the features in order, the label, the split column (if any)."""
+    if not schema.features:
+        raise DataError(f"{path}: the table source needs the federation's schema to list the "
+                        "features (run-config key features)")
+    names = [f.name for f in schema.features]
+    for role, column in (("label", schema.label), ("split", split_column)):
+        if column and column in names:
+            raise DataError(f"{path}: the {role} column {column!r} is also listed as a feature")
+    if split_column == schema.label:
+        raise DataError(f"{path}: the split column {split_column!r} is the label column")
+    return names + [schema.label] + ([split_column] if split_column else [])
+
+
+def _table_files(path: Path) -> list[Path]:
+    """The table's files: ``path`` itself, or a directory's table files by name."""
+    if path.is_dir():
+        try:
+            files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+        except OSError as exc:
+            raise DataError(f"{path}: cannot be listed ({exc.strerror})") from None
+        if not files:
+            raise DataError(f"{path}: no table files (.csv, .parquet) in this directory")
+    elif path.exists():
+        files = [path]
+    else:
+        raise DataError(f"{path}: no such file or directory")
+    for file in files:
+        if not file.is_file() or file.suffix.lower() not in TABLE_SUFFIXES:
+            raise DataError(f"{file}: not a table file; the table source reads "
+                            f"{', '.join(TABLE_SUFFIXES)} files")
+    return files
+
+
+def _batches(file: Path, columns: list[str], features: int) -> Iterator[pa.RecordBatch]:
+    """``file``'s rows, a batch at a time (a Parquet row group, a block of CSV), holding only
+    ``columns``; every column of a CSV is read as text (parsed by :func:`convert_batch`, which
+    can then name the column that holds something else)."""
+    kind = TABLE_SUFFIXES[file.suffix.lower()]
+    try:
+        if kind == "parquet":
+            parquet = pq.ParquetFile(file)
+            _check_columns(parquet.schema_arrow.names, columns, features, file)
+            yield from parquet.iter_batches(columns=columns)
+            return
+        with pa_csv.open_csv(file) as header:  # reads the first block only
+            _check_columns(header.schema.names, columns, features, file)
+        yield from pa_csv.open_csv(file, convert_options=pa_csv.ConvertOptions(
+            include_columns=columns, column_types={c: pa.string() for c in columns}))
+    except (pa.ArrowException, OSError) as exc:
+        # pyarrow's text may quote a row of the file: it stays in the silo's own log
+        logger.warning("%s: %s", file, exc)
+        raise DataError(f"{file}: not readable as {kind.upper() if kind == 'csv' else 'Parquet'}"
+                        f" ({type(exc).__name__}; the silo's log has pyarrow's message)"
+                        ) from None
+
+
+def _check_columns(names: list[str], columns: list[str], features: int, file: Path) -> None:
+    """Refuse a file without a column the schema needs (``columns``: the first ``features``
+    are the features, then the label and split columns), or with one of them twice."""
+    missing = [c for c in columns[:features] if c not in names]
+    if missing:
+        listed = ", ".join(repr(c) for c in missing)
+        raise DataError(f"{file}: column{'s' if len(missing) > 1 else ''} {listed} missing; "
+                        f"{features - len(missing)} of {features} features")
+    for role, column in zip(("label", "split"), columns[features:], strict=False):
+        if column not in names:
+            raise DataError(f"{file}: {role} column {column!r} missing")
+    twice = [c for c in columns if names.count(c) > 1]
+    if twice:
+        raise DataError(f"{file}: column {twice[0]!r} appears more than once")
+
+
+def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file: Path
+                  ) -> Block:
+    """One batch of ``file``'s rows built to the schema (module docstring): the features in
+    the schema's order, the labels and (with a split column) each row's split."""
+    features = np.empty((batch.num_rows, schema.feature_width), dtype=np.float32)
+    start = 0
+    for feature in schema.features:
+        column = batch.column(feature.name)
+        block = (_number(column, feature, schema.missing, file) if feature.kind == "number"
+                 else _category(column, feature, schema.missing, file))
+        features[:, start:start + feature.width] = block
+        start += feature.width
+    labels = _labels(batch.column(schema.label), schema, file)
+    splits = _splits(batch.column(split_column), split_column, file) if split_column else None
+    return Block(features, labels, splits)
+
+
+def _text(column: pa.Array, name: str, file: Path) -> pa.Array:
+    """``column`` as text with surrounding spaces trimmed; empty text becomes null (missing)."""
+    try:
+        text = pc.utf8_trim_whitespace(pc.cast(column, pa.string()))
+    except pa.ArrowException:
+        raise DataError(f"{file}: column {name!r} ({column.type}) cannot be read as text"
+                        ) from None
+    return pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text)
+
+
+def _refuse_missing(missing: np.ndarray, name: str, rule: str, file: Path) -> None:
+    if rule == "refuse" and missing.any():
+        raise DataError(f"{file}: column {name!r} has missing values (null, empty or NaN) and "
+                        "the schema's missing-values rule is refuse")
+
+
+def _number(column: pa.Array, feature: Feature, rule: str, file: Path) -> np.ndarray:
+    """A number feature as ``(value - mean) / scale``, (rows, 1) float32; a missing value
+    (refused, or) filled with the schema mean."""
+    source = _text(column, feature.name, file) if not (
+        pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+        or pa.types.is_boolean(column.type) or pa.types.is_decimal(column.type)) else column
+    try:
+        values = pc.cast(source, pa.float64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowException:
+        raise DataError(f"{file}: column {feature.name!r} holds text that is not a number"
+                        ) from None
+    if np.isinf(values).any():
+        raise DataError(f"{file}: column {feature.name!r} holds an infinite number")
+    missing = np.isnan(values)  # a null, once cast, is NaN as well
+    _refuse_missing(missing, feature.name, rule, file)
+    values = np.where(missing, feature.mean, values)
+    return ((values - feature.mean) / feature.scale).astype(np.float32)[:, None]
+
+
+def _category(column: pa.Array, feature: Feature, rule: str, file: Path) -> np.ndarray:
+    """A category feature as one float32 indicator per listed value, (rows, values); a
+    missing value (refused, or) all indicators 0."""
+    text = _text(column, feature.name, file)
+    index = pc.fill_null(pc.index_in(text, value_set=pa.array(feature.categories)), -1)
+    index = index.to_numpy(zero_copy_only=False)
+    missing = text.is_null().to_numpy(zero_copy_only=False)
+    if ((index < 0) & ~missing).any():
+        raise DataError(f"{file}: column {feature.name!r} holds a value that is not among the "
+                        "schema's categories")
+    _refuse_missing(missing, feature.name, rule, file)
+    return (index[:, None] == np.arange(feature.width)[None, :]).astype(np.float32)
+
+
+def _labels(column: pa.Array, schema: Schema, file: Path) -> np.ndarray:
+    """The label column as labels 0..C-1 (int64), each distinct value resolved once."""
+    text = _text(column, schema.label, file)
+    if text.null_count:
+        raise DataError(f"{file}: label column {schema.label!r} has missing labels (every "
+                        "record needs one)")
+    values = pc.unique(text)
+    labels = class_labels(values.to_pylist(), schema, file,
+                          f"label column {schema.label!r} holds a label")
+    return labels[pc.index_in(text, value_set=values).to_numpy(zero_copy_only=False)]
+
+
+def _splits(column: pa.Array, name: str, file: Path) -> np.ndarray:
+    """The split column as indices of SPLITS (int64)."""
+    index = pc.index_in(_text(column, name, file), value_set=pa.array(SPLITS))
+    if index.null_count:
+        raise DataError(f"{file}: split column {name!r} holds a value other than "
+                        f"{', '.join(SPLITS)} (or none)")
+    return index.to_numpy(zero_copy_only=False).astype(np.int64)
