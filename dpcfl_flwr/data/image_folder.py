@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from .assembly import class_labels, client_data, split_rows
 from .partition import ClientData
 from .readers import DataError
-from .assembly import class_labels, client_data, split_rows
 from .schema import Schema
 from .sources import SPLITS, SourceRequest
 

@@ -44,9 +44,9 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import torch
 
+from .assembly import class_labels, client_data, split_rows
 from .partition import ClientData
 from .readers import DataError
-from .assembly import class_labels, client_data, split_rows
 from .schema import Feature, Schema
 from .sources import SPLITS, SourceRequest
 
