@@ -6,6 +6,10 @@ table is one line naming the file and the column, never a record's value."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ from dpcfl_flwr.silo.silo import Silo, records_problem
 from tests.test_malicious_server import Attacker, _run_config
 from tests.test_own_records import _arrays_node
 
+REPO = Path(__file__).resolve().parents[1]
 FEATURES = "age:number(54,9), bp:number(120,20), sex:category(f|m), smoker:category(no|yes)"
 
 
@@ -160,6 +165,8 @@ def _raw(name: str, content: bytes):
     (_raw("t.csv", b"age,bp,sex,smoker,label,part\n54,120,f,no,0,train\nsecret-row,1\n"),
      "t.csv: not readable as CSV", "secret-row"),
     (_raw("t.txt", b"age\n1\n"), "t.txt: not a table file", None),
+    (_raw("t.csv", b"age,bp,sex,smoker,label,part\n"), "t.csv: the table holds no records",
+     None),
     (_without("bp"), "t.csv: column 'bp' missing; 3 of 4 features", None),
     (_without("label", "t.parquet"), "t.parquet: label column 'label' missing", None),
     (_changed("label", [0, 1, 5, 0]),
@@ -233,3 +240,33 @@ def test_a_bad_table_is_refused_before_any_charge(tmp_path, server_task_identity
     assert f"{path}: column 'smoker' missing; 3 of 4 features" in reply.error.reason
     assert "\n" not in reply.error.reason
     assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+
+
+def _data_check(tmp_path: Path, table: pa.Table) -> subprocess.CompletedProcess[str]:
+    """``dpcfl data check`` on a table silo's file with its schema-file, run from this
+    checkout (the operator's look at their records before joining)."""
+    _write(table, tmp_path / "site.parquet")
+    (tmp_path / "silo.toml").write_text(textwrap.dedent("""
+        name = "site-3"
+        [node]
+        partition-id = 3
+        data-source = "table"
+        data-path = "site.parquet"
+        split-column = "part"
+        schema-file = "schema.toml"
+    """))
+    (tmp_path / "schema.toml").write_text(f'features = "{FEATURES}"\nnum-classes = 2\n')
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "data", "check",
+                           "silo.toml"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_dpcfl_data_check_reads_a_table_silo(tmp_path):
+    fits = _data_check(tmp_path, _small())
+    assert fits.returncode == 0, fits.stderr
+    assert "3 / 0 / 1" in fits.stdout and "fits the schema" in fits.stdout
+    missing = _data_check(tmp_path, _small().drop_columns(["age"]))
+    assert missing.returncode == 2
+    assert "site.parquet: column 'age' missing; 3 of 4 features" in missing.stdout + \
+        missing.stderr
