@@ -116,8 +116,16 @@ def _undecodable(root: Path) -> str:
 
 
 # Each case makes the folder and returns the words its error line must hold.
+def _truncated(root: Path) -> str:
+    _folder(root, {"0": 3}, shape=(64, 64))
+    damaged = root / "0" / "img-002.png"
+    damaged.write_bytes(damaged.read_bytes()[:900])
+    return "img-002.png: does not decode as an image"
+
+
 @pytest.mark.parametrize("make", [
     lambda root: "records: no such file or directory",
+    _truncated,
     lambda root: (root.write_text("x"), "records: not a directory")[-1],
     lambda root: (root.mkdir(), "records: no images")[-1],
     _undecodable,

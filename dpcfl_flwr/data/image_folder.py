@@ -150,7 +150,8 @@ def _decoded(path: Path, shape: tuple[int, int, int]) -> np.ndarray:
     try:
         with Image.open(path) as opened:
             image = ImageOps.exif_transpose(opened).convert(_MODES[channels])
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except Exception as exc:  # a damaged file fails in many ways in Pillow
+        # (OSError, SyntaxError, struct.error, DecompressionBombError, ...): all are this file
         raise DataError(f"{path}: does not decode as an image ({type(exc).__name__})"
                         ) from None
     if image.size != (width, height):
