@@ -177,6 +177,9 @@ def _raw(name: str, content: bytes):
      "t.parquet: column 'age' has missing values (null, empty or NaN) and the schema's "
      "missing-values rule is refuse", None),
     (_changed("age", [54.0, 1.0, 45.0, None]), "t.csv: column 'age' has missing values", None),
+    (_changed("age", ["54", "nan", "45", "50"]), "t.csv: column 'age' has missing values", None),
+    (_changed("age", ["54", "NA", "45", "50"]), "t.csv: column 'age' holds text that is not a "
+     "number", None),
     (_changed("sex", ["f", "m", "secret-x", "m"]),
      "t.csv: column 'sex' holds a value that is not among the schema's categories", "secret-x"),
     (_changed("bp", ["120", "high-secret", "100", "130"], "t.parquet"),

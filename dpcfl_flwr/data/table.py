@@ -17,7 +17,8 @@ The federation's schema says what a record is:
 
 Columns the schema does not list are ignored (a silo's file may hold more than the
 federation trains on), except the label and split columns. A value is missing when it is
-null, empty text (after trimming), or NaN in a number column. With ``missing-values =
+null, empty text (after trimming), or NaN in a number column; text such as ``NA`` is not a
+missing marker (a CSV is read as text: only an empty field is missing). With ``missing-values =
 refuse`` a missing feature value refuses the records; with ``fill`` a missing number becomes
 its schema mean (0 once standardised) and a missing category every indicator 0. The fill
 values come from the schema only: a value computed from the silo's other records would make
