@@ -40,9 +40,9 @@ def _schema(missing: str = "refuse", **changes) -> Schema:
 
 
 def _request(path: Path, schema: Schema | None = None, split_column: str = "",
-             seed: int = 3) -> SourceRequest:
+             seed: int = 3, ignore: str = "id,note") -> SourceRequest:
     return SourceRequest(path, 5, seed, 0.25, 0.2, schema or _schema(),
-                         {"split-column": split_column})
+                         {"split-column": split_column, "ignore-columns": ignore})
 
 
 def _small() -> pa.Table:
@@ -192,6 +192,9 @@ def _raw(name: str, content: bytes):
      "t.csv: the given split has no test records", None),
     (_changed("part", ["train", "test", "test", "test"]),
      "t.csv: 1 training records; a silo needs at least 2", None),
+    (_changed("zip-secret", ["1", "2", "3", "4"]),
+     "t.csv: column 'zip-secret' not in the schema (1 extra); the silo's ignore-columns "
+     "lists the columns it leaves out", None),
 ])
 def test_a_bad_table_is_one_line_naming_the_file_and_column(tmp_path, make, words, secret):
     path = make(tmp_path)
@@ -211,7 +214,8 @@ def test_a_schema_without_features_or_with_the_label_as_a_feature_is_refused(tmp
 
 
 def _table_silo(tmp_path: Path, path: Path) -> tuple[dict, dict]:
-    node = _arrays_node(tmp_path, path, **{"data-source": "table", "split-column": "part"})
+    node = _arrays_node(tmp_path, path, **{"data-source": "table", "split-column": "part",
+                                           "ignore-columns": "id"})
     run = _run_config(tmp_path, features=FEATURES, **{"num-classes": 2,
                                                       "missing-values": "fill"})
     return node, run
@@ -256,6 +260,7 @@ def _data_check(tmp_path: Path, table: pa.Table) -> subprocess.CompletedProcess[
         data-source = "table"
         data-path = "site.parquet"
         split-column = "part"
+        ignore-columns = "id"
         schema-file = "schema.toml"
     """))
     (tmp_path / "schema.toml").write_text(f'features = "{FEATURES}"\nnum-classes = 2\n')

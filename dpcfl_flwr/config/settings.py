@@ -323,6 +323,9 @@ class SiloConfig(ConfigModel):
     data_source: str | None = None
     data_path: str = ""
     split_column: str = ""
+    # a table's columns the silo leaves out (comma-separated); any other column the schema
+    # does not list refuses the table
+    ignore_columns: str = ""
     schema_file: str = ""
     test_fraction: float | None = Field(None, gt=0.0, lt=1.0)
     dataset: Literal["fmnist", "mnist", "cifar10"] | None = None

@@ -118,7 +118,7 @@ class Schema:
     """What every silo's records look like.
 
     - ``input_shape``: one record as the model sees it (an image ``(C, H, W)``, a table's
-      ``(width,)``);
+      ``(width,)``, or its features laid out in a shape of as many values);
     - ``num_classes``: labels are 0 .. C-1; ``class_names`` (optional) names them, in order,
       as an image folder's sub-folders or a table's label values;
     - ``features``, ``label``, ``missing``: a table's columns in order, its label column and
@@ -140,7 +140,7 @@ class Schema:
         if self.class_names and len(self.class_names) != self.num_classes:
             raise ValueError(f"class-names lists {len(self.class_names)} names for "
                              f"{self.num_classes} classes")
-        if self.features and self.input_shape != (self.feature_width,):
+        if self.features and math.prod(self.input_shape) != self.feature_width:
             raise ValueError(f"input-shape {','.join(map(str, self.input_shape))} does not "
                              f"match the features' width {self.feature_width}")
         if self.missing not in MISSING_RULES:

@@ -6,7 +6,9 @@ hidden files ignored, any other file refused). Read with pyarrow.
 
 The federation's schema says what a record is:
 
-- ``features``, in order, become the model's input (float32, the schema's feature width):
+- ``features``, in order, become the model's input (float32, the schema's feature width, laid
+  out in the schema's input shape when that has more than one axis, e.g. 784 pixel columns
+  as ``1,28,28``):
   ``number`` as ``(value - mean) / scale`` (computed in float64), ``category(a|b|c)`` as one
   indicator per listed value, the value compared as text with surrounding spaces trimmed (a
   Parquet number 3 or 3.0 reads as ``3``);
@@ -15,8 +17,10 @@ The federation's schema says what a record is:
 - the silo's ``split-column`` (its own node config), if set, gives each record's split
   (``train``, ``val`` or ``test``); otherwise the split is drawn with its ``data-seed``.
 
-Columns the schema does not list are ignored (a silo's file may hold more than the
-federation trains on), except the label and split columns. A value is missing when it is
+A column the schema does not list (nor is the label or split column) is refused, unless the
+silo's own ``ignore-columns`` lists it: a file that holds more than the federation expects is
+more often a wrong file than a right one, and the silo says which columns it knows to leave
+out (an identifier, a column only it uses). A value is missing when it is
 null, empty text (after trimming), or NaN in a number column; text such as ``NA`` is not a
 missing marker (a CSV is read as text: only an empty field is missing). With ``missing-values =
 refuse`` a missing feature value refuses the records; with ``fill`` a missing number becomes
@@ -73,13 +77,15 @@ def load_table(request: SourceRequest) -> ClientData:
     its features as float32 tensors (n, feature width), its labels and its split."""
     schema, path = request.schema, request.path
     split_column = str(request.options.get("split-column") or "")
+    ignored = {c.strip() for c in str(request.options.get("ignore-columns") or "").split(",")
+               if c.strip()}
     columns = _used_columns(schema, split_column, path)
     blocks = [convert_batch(batch, schema, split_column, file)
               for file in _table_files(path)
-              for batch in _batches(file, columns, len(schema.features))]
+              for batch in _batches(file, columns, len(schema.features), ignored)]
     if not blocks or not sum(len(b.labels) for b in blocks):
         raise DataError(f"{path}: the table holds no records")
-    features = np.concatenate([b.features for b in blocks])
+    features = np.concatenate([b.features for b in blocks]).reshape(-1, *schema.input_shape)
     labels = np.concatenate([b.labels for b in blocks])
     given = np.concatenate([b.splits for b in blocks if b.splits is not None]) \
         if split_column else None
@@ -122,19 +128,21 @@ def _table_files(path: Path) -> list[Path]:
     return files
 
 
-def _batches(file: Path, columns: list[str], features: int) -> Iterator[pa.RecordBatch]:
+def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
+             ) -> Iterator[pa.RecordBatch]:
     """``file``'s rows, a batch at a time (a Parquet row group, a block of CSV), holding only
-    ``columns``; every column of a CSV is read as text (parsed by :func:`convert_batch`, which
-    can then name the column that holds something else)."""
+    ``columns`` (the file's others must be ``ignored``); every column of a CSV is read as text
+    (parsed by :func:`convert_batch`, which can then name the column that holds something
+    else)."""
     kind = TABLE_SUFFIXES[file.suffix.lower()]
     try:
         if kind == "parquet":
             parquet = pq.ParquetFile(file)
-            _check_columns(parquet.schema_arrow.names, columns, features, file)
+            _check_columns(parquet.schema_arrow.names, columns, features, ignored, file)
             yield from parquet.iter_batches(columns=columns)
             return
         with pa_csv.open_csv(file) as header:  # reads the first block only
-            _check_columns(header.schema.names, columns, features, file)
+            _check_columns(header.schema.names, columns, features, ignored, file)
         yield from pa_csv.open_csv(file, convert_options=pa_csv.ConvertOptions(
             include_columns=columns, column_types={c: pa.string() for c in columns}))
     except (pa.ArrowException, OSError) as exc:
@@ -145,9 +153,11 @@ def _batches(file: Path, columns: list[str], features: int) -> Iterator[pa.Recor
                         ) from None
 
 
-def _check_columns(names: list[str], columns: list[str], features: int, file: Path) -> None:
+def _check_columns(names: list[str], columns: list[str], features: int, ignored: set[str],
+                   file: Path) -> None:
     """Refuse a file without a column the schema needs (``columns``: the first ``features``
-    are the features, then the label and split columns), or with one of them twice."""
+    are the features, then the label and split columns), with one of them twice, or with a
+    column that is neither needed nor ``ignored`` by the silo."""
     missing = [c for c in columns[:features] if c not in names]
     if missing:
         listed = ", ".join(repr(c) for c in missing)
@@ -159,6 +169,12 @@ def _check_columns(names: list[str], columns: list[str], features: int, file: Pa
     twice = [c for c in columns if names.count(c) > 1]
     if twice:
         raise DataError(f"{file}: column {twice[0]!r} appears more than once")
+    extra = [c for c in names if c not in columns and c not in ignored]
+    if extra:
+        listed = ", ".join(repr(c) for c in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        raise DataError(f"{file}: column{'s' if len(extra) > 1 else ''} {listed} not in the "
+                        f"schema ({len(extra)} extra); the silo's ignore-columns lists the "
+                        "columns it leaves out")
 
 
 def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file: Path

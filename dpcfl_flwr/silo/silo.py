@@ -163,7 +163,10 @@ class Silo:
         """The silo's records, checked against the federation's schema (DataError naming
         what differs, before anything is trained or charged)."""
         schema = self.experiment.data_schema
-        data = client_records(self.silo, schema)
+        try:
+            data = client_records(self.silo, schema)
+        except DataError as exc:
+            raise DataError(f"silo {self.silo.partition_id}: {exc}") from None
         where = (f"silo {self.silo.partition_id}: records "
                  f"{self.silo.data_path or self.silo.dataset}")
         check_schema(data, schema.input_shape, schema.num_classes, where)
