@@ -25,7 +25,7 @@ from dpcfl_flwr.data.schema import Schema, parse_features
 from dpcfl_flwr.data.sources import SPLITS, SourceRequest, draw_split
 from dpcfl_flwr.data.table import load_table
 from dpcfl_flwr.silo.silo import Silo, records_problem
-from tests.test_malicious_server import Attacker, _run_config
+from tests.test_malicious_server import Attacker, _node_config, _run_config, _update, silo_data
 from tests.test_own_records import _arrays_node
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,3 +278,33 @@ def test_dpcfl_data_check_reads_a_table_silo(tmp_path):
     assert missing.returncode == 2
     assert "site.parquet: column 'age' missing; 3 of 4 features" in missing.stdout + \
         missing.stderr
+
+
+def test_a_benchmark_silo_as_a_table_trains_the_same_round(tmp_path, server_task_identity):
+    """Fashion-MNIST records exported as a CSV of 784 pixel columns (the normalised values
+    written exactly, a split column), read back with the schema laying the features out as
+    1,28,28: the same records in the same order, so the same N_i, ledger and, with the same
+    noise seed, the very same update as the benchmark silo's."""
+    seeded = {"noise-seed": 7}
+    benchmark = Attacker(tmp_path / "benchmark", _node_config(tmp_path / "benchmark", **seeded))
+    data = silo_data(benchmark)
+    columns: dict[str, list] = {f"p{i}": [] for i in range(784)}
+    columns["label"], columns["part"] = [], []
+    for split in SPLITS:
+        x, y = getattr(data, f"x_{split}").numpy(), getattr(data, f"y_{split}").numpy()
+        for i, values in enumerate(x.reshape(len(x), 784).T):
+            columns[f"p{i}"] += values.astype(np.float64).tolist()  # exact float32 values
+        columns["label"] += y.tolist()
+        columns["part"] += [split] * len(y)
+    path = _write(pa.table(columns), tmp_path / "fmnist.csv")
+    features = ", ".join(f"p{i}:number" for i in range(784))
+    run = _run_config(tmp_path, features=features, **{"input-shape": "1,28,28"})
+    table = Attacker(tmp_path / "own", _arrays_node(
+        tmp_path / "own", path, **{"data-source": "table", "split-column": "part", **seeded}),
+        run)
+    mine = silo_data(table)
+    assert all(torch.equal(a, b) for a, b in zip(_all(mine), _all(data), strict=True))
+    replies = [a.train(1, cluster=-2) for a in (benchmark, table)]
+    assert not any(r.has_error() for r in replies)
+    np.testing.assert_array_equal(_update(replies[0]), _update(replies[1]))
+    assert benchmark.ledger().entries == table.ledger().entries
