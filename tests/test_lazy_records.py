@@ -57,3 +57,18 @@ def test_dp_sgd_on_records_read_when_used_equals_in_memory(npy_records, batch):
     sgd = [train_sgd(build_model("cnn", seed=0), x, data.y_train, 0.05, 8, seed=4)
            for x in (data.x_train, in_memory(data.x_train))]
     assert all(torch.allclose(sgd[0][k], sgd[1][k], atol=1e-6) for k in sgd[1])
+
+
+def test_file_rows_read_exactly_the_rows_asked_in_any_order(tmp_path):
+    """Positioned reads of a .npy file: unsorted rows, repeats and runs of consecutive rows
+    give what indexing the array gives, in its own dtype; a row outside the file is refused."""
+    from dpcfl_flwr.data.records import FileRows
+
+    x = np.random.default_rng(0).normal(size=(50, 2, 3))  # float64 on disk
+    np.save(tmp_path / "x.npy", x)
+    rows = FileRows(np.load(tmp_path / "x.npy", mmap_mode="r"))
+    for picks in ([7, 3, 3, 4, 5, 0], list(range(50)), [49], [], [10, 9, 8, 30, 31, 32, 1]):
+        got = rows(np.array(picks, dtype=np.int64))
+        assert got.dtype == np.float64 and np.array_equal(got, x[picks])
+    with pytest.raises(IndexError, match="rows outside 0..49"):
+        rows(np.array([50]))

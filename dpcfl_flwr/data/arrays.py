@@ -26,7 +26,7 @@ import torch
 
 from .partition import ClientData
 from .readers import DataError
-from .records import Inputs, LazyRecords
+from .records import FileRows, Inputs, LazyRecords
 from .sources import SPLITS, SourceRequest, check_training_records, draw_split
 
 
@@ -107,10 +107,12 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: labels y must be integers, got {y.dtype}")
         chosen = np.arange(len(y)) if rows is None else rows
-        records = LazyRecords(x.__getitem__, chosen, tuple(x.shape[1:]))
+        reader = (FileRows(x) if isinstance(x, np.memmap) and x.flags.c_contiguous
+                  else None)
+        records = LazyRecords(reader or x.__getitem__, chosen, tuple(x.shape[1:]))
         if not all(bool(torch.isfinite(chunk).all()) for chunk in records.chunks()):
             raise DataError(f"{where}: records hold NaN or infinite values")
-        inputs[name] = records if isinstance(x, np.memmap) else records[:]
+        inputs[name] = records if reader else records[:]
         labels[name] = torch.from_numpy(np.array(y[chosen], dtype=np.int64))
     if "val" not in inputs:  # a given split without validation records
         inputs["val"], labels["val"] = inputs["train"][:0], labels["train"][:0]
