@@ -1,6 +1,8 @@
 """Per-sample clipped gradient sums: the expensive core of DP-SGD, in two interchangeable ways.
 
-Both return sum_i clip(grad l_i, c) for a batch, parameter by parameter.
+Both return sum_i clip(grad l_i, c) for a batch, parameter by parameter, over the trainable
+parameters only (``requires_grad``): a frozen parameter (run config ``trainable``) counts in no
+norm and gets no sum, so DP-SGD neither clips over it nor noises it.
 
 - :class:`OpacusEngine` wraps the model in Opacus' ``GradSampleModule`` (hooks, or functorch):
   any layer Opacus supports, at Opacus' speed. Autograd also computes the ordinary summed
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -192,21 +194,32 @@ def _materialised(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _LayerGrads
     return _LayerGrads(squared, lambda c: [(p, c @ _kept_rows(t, c)) for p, t in flat])
 
 
+def _trained(parameter: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    """Whether a layer's weight or bias is trained: frozen ones (``trainable`` prefixes) take
+    no part in the per-sample norm, the clipped sum or the noise."""
+    return parameter is not None and parameter.requires_grad
+
+
 def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    weight_on, bias_on = _trained(module.weight), _trained(module.bias)
     if a.dim() != 2:  # sequence inputs: fall back to materialised outer products
-        weight = torch.einsum("b...o,b...i->boi", g, a)
-        pairs = [(module.weight, weight)]
-        if module.bias is not None:
+        pairs = []
+        if weight_on:
+            pairs.append((module.weight, torch.einsum("b...o,b...i->boi", g, a)))
+        if bias_on:
             pairs.append((module.bias, g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)))
         return _materialised(pairs)
     # grad_W of sample i is g_i a_i^T: ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2.
     g_sq = g.pow(2).sum(1)
-    squared = g_sq * a.pow(2).sum(1) + (g_sq if module.bias is not None else 0.0)
+    squared = ((g_sq * a.pow(2).sum(1) if weight_on else torch.zeros_like(g_sq))
+               + (g_sq if bias_on else 0.0))
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         scaled = _kept_rows(g, c) * c[:, None]
-        out = [(module.weight, scaled.t() @ _kept_rows(a, c))]
-        if module.bias is not None:
+        out = []
+        if weight_on:
+            out.append((module.weight, scaled.t() @ _kept_rows(a, c)))
+        if bias_on:
             out.append((module.bias, scaled.sum(0)))
         return out
 
@@ -222,8 +235,8 @@ def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     # Per sample, materialising the gradient costs T*d*p; its norm from Gram matrices costs
     # T^2 (d + p) (T output positions, d fan-in, p filters). Deep ResNet layers have few
     # positions and wide filters, so there the norm is far cheaper than the gradient.
-    if module.groups == 1 and positions * (fan_in + module.out_channels) < (
-            fan_in * module.out_channels):
+    if module.groups == 1 and _trained(module.weight) and positions * (
+            fan_in + module.out_channels) < fan_in * module.out_channels:
         return _conv2d_ghost(module, padding, a, g)
     return _conv2d_materialised(module, padding, a, g)
 
@@ -231,6 +244,11 @@ def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
 def _conv2d_materialised(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
                          g: torch.Tensor) -> _LayerGrads:
     batch = a.shape[0]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if _trained(module.bias):
+        pairs.append((module.bias, g.sum((2, 3))))
+    if not _trained(module.weight):
+        return _materialised(pairs)
     if module.groups == 1:
         # The batch becomes the group dimension of one weight-gradient convolution: every
         # sample's gradient comes from the backend's conv kernel, ~3x faster on this CPU than
@@ -248,9 +266,7 @@ def _conv2d_materialised(module: nn.Conv2d, padding: tuple[int, ...], a: torch.T
         columns = columns.reshape(batch, groups, -1, columns.shape[-1])
         grads_g = g.reshape(batch, groups, -1, g.shape[2] * g.shape[3])
         weight = torch.einsum("bgol,bgil->bgoi", grads_g, columns)
-    pairs = [(module.weight, weight.reshape(batch, *module.weight.shape))]
-    if module.bias is not None:
-        pairs.append((module.bias, g.sum((2, 3))))
+    pairs.insert(0, (module.weight, weight.reshape(batch, *module.weight.shape)))
     return _materialised(pairs)
 
 
@@ -276,9 +292,10 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
                   g: torch.Tensor) -> _LayerGrads:
     """Per-sample norms without per-sample gradients: ||sum_t g_t a_t^T||_F^2 =
     sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one ordinary weight-gradient
-    convolution of the clip-weighted output gradients. Records whose norm is not well above
-    float32 rounding of their terms (:data:`_GHOST_MIN_RATIO`, or not finite) get their
-    gradient materialised, so norm and sum are computed from the same numbers."""
+    convolution of the clip-weighted output gradients (a trained weight only). Records whose
+    norm is not well above float32 rounding of their terms (:data:`_GHOST_MIN_RATIO`, or not
+    finite) get their gradient materialised, so norm and sum are computed from the same
+    numbers."""
     batch = a.shape[0]
     columns = F.unfold(a, module.kernel_size, module.dilation, padding, module.stride)
     grads = g.reshape(batch, g.shape[1], -1)
@@ -287,7 +304,8 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
     squared = (gram_a * gram_g).sum((1, 2))
     position_norms = grads.norm(dim=1)
     bound = (columns.norm(dim=1) * position_norms).sum(1)
-    if module.bias is not None:
+    bias = module.bias if _trained(module.bias) else None
+    if bias is not None:
         squared = squared + grads.sum(2).pow(2).sum(1)
         bound = bound + position_norms.sum(1)
     # NaN compares False: a non-finite record is materialised too (and then dropped).
@@ -303,8 +321,8 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
         out = [(module.weight, conv2d_weight(_kept_rows(a, ghost_c), module.weight.shape,
                                              scaled, module.stride, padding, module.dilation,
                                              module.groups))]
-        if module.bias is not None:
-            out.append((module.bias, scaled.sum((0, 2, 3))))
+        if bias is not None:
+            out.append((bias, scaled.sum((0, 2, 3))))
         if exact is not None:
             rest = dict((id(p), t) for p, t in exact.weighted_sums(c[flagged]))
             out = [(p, t + rest[id(p)].view_as(t)) for p, t in out]
@@ -317,18 +335,31 @@ def _group_norm(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> _Laye
     normalised = F.group_norm(a, module.num_groups, eps=module.eps)
     dims = tuple(range(2, a.dim()))
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if module.weight is not None:
+    if _trained(module.weight):
         pairs.append((module.weight, (normalised * g).sum(dims)))
-    if module.bias is not None:
+    if _trained(module.bias):
         pairs.append((module.bias, g.sum(dims)))
     return _materialised(pairs)
+
+
+def resolved_mode(model: nn.Module, mode: str) -> str:
+    """The engine ``mode`` gives ``model``: ``auto`` is layerwise when the model allows it,
+    else Opacus hooks; other modes as given."""
+    if mode == "auto":
+        return "layerwise" if layerwise_supported(model) else "hooks"
+    return mode
+
+
+def engine_name(model: nn.Module, mode: str) -> str:
+    """The engine :func:`make_engine` gives ``model``, as the run log names it."""
+    resolved = resolved_mode(model, mode)
+    return "layerwise" if resolved == "layerwise" else f"Opacus ({resolved})"
 
 
 def make_engine(model: nn.Module, mode: str) -> ClippedSumEngine:
     """``layerwise`` (fast path, Conv/Linear/GroupNorm models), ``hooks`` or ``functorch``
     (Opacus), or ``auto``: layerwise when the model allows it, else Opacus hooks."""
-    if mode == "auto":
-        mode = "layerwise" if layerwise_supported(model) else "hooks"
+    mode = resolved_mode(model, mode)
     if mode == "layerwise":
         return LayerwiseEngine(model)
     return OpacusEngine(model, mode)
