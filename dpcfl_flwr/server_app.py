@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .config.settings import ConfigError, ExperimentConfig, parse_run_config
 from .flower_compat import in_process_grid
-from .models import build_model
+from .models import initial_state
 from .results.board import BoardWriter, Observers
 from .results.recorder import RunRecorder
 from .strategies import TooFewSilos, build_strategy
@@ -23,10 +23,13 @@ app = ServerApp()
 
 
 def initial_arrays(experiment: ExperimentConfig) -> ArrayRecord:
-    """theta_init: the same seeded initial model for every cluster and silo."""
-    return ArrayRecord(build_model(experiment.model, experiment.num_classes,
-                                   in_channels=experiment.record_shape[0],
-                                   seed=experiment.seed).state_dict())
+    """theta_init: the same initial model for every cluster and silo, seeded, or read from
+    the run config's ``initial-weights`` file (ConfigError when it is not the model's)."""
+    state = initial_state(experiment.model_spec, experiment.seed, experiment.initial_weights)
+    if experiment.initial_weights:
+        logger.info("theta_init: model %s from %s", experiment.model,
+                    Path(experiment.initial_weights).resolve())
+    return ArrayRecord(state)
 
 
 def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
@@ -68,7 +71,7 @@ def main(grid: Grid, context: Context) -> None:
     simulated = in_process_grid(grid)
     try:
         run_experiment(grid, experiment)
-    except ConfigError as exc:  # a checkpoint that cannot be resumed
+    except ConfigError as exc:  # a checkpoint that cannot be resumed, a model not built
         logger.error("%s", exc)
         raise SystemExit(f"dpcfl: {exc}") from None
     except RunInterrupted:

@@ -16,6 +16,16 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from ..data import Topology
 from ..data.schema import Schema, parse_features, parse_floats
 from ..data.sources import is_source, source_names
+from ..models.registry import (
+    ENTRY_POINT_GROUP,
+    PARAMS_TABLE,
+    model_entry,
+    model_names,
+    params_table,
+    validate_params,
+)
+from ..models.spec import ModelSpec
+from ..models.trainable import parse_prefixes
 from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
@@ -48,7 +58,14 @@ class ExperimentConfig(ConfigModel):
     data_source: str = "benchmark"
     silo_data_paths: str = ""
     split_column: str = ""
-    model: Literal["cnn", "resnet18"] = "cnn"
+    # the model (docs/own-data.md#models): a registered name, its parameters (the
+    # model-params table, held in model_params), Opacus' fix for layers DP-SGD cannot train,
+    # a pretrained start read by the server (a path from the server's working directory)
+    # and the parameter-name prefixes to train (empty: all)
+    model: str = Field("cnn", description="a registered model (dpcfl_flwr.models.registry)")
+    model_fix: bool = False
+    initial_weights: str = ""
+    trainable: str = ""
     # the federation's data schema (docs/own-data.md): every silo's records have this input
     # shape ("channels,height,width", a table's "width"; empty: the benchmark dataset's, or
     # the features' width) and labels 0..C-1, named in order by class-names (optional); a
@@ -121,6 +138,8 @@ class ExperimentConfig(ConfigModel):
     noise_seed: int = Field(-1, ge=-1)
     #: every registered method's parameter table, by method name (see parse_run_config)
     methods: dict[str, BaseModel] = Field(default_factory=dict, exclude=True)
+    #: the model's parameters: its model-params table, validated by the model's own type
+    model_params: Any = Field(None, exclude=True)
 
     @field_validator("method")
     @classmethod
@@ -137,6 +156,33 @@ class ExperimentConfig(ConfigModel):
             raise ValueError(f"not an installed data source; choose from "
                              f"{', '.join(source_names())}")
         return value
+
+    @field_validator("model")
+    @classmethod
+    def _installed_model(cls, value: str) -> str:
+        names = model_names()
+        if value not in names:
+            raise ValueError(f"not an installed model; choose from {', '.join(names)} (plug-ins: "
+                             f"entry point group {ENTRY_POINT_GROUP})")
+        return value
+
+    @model_validator(mode="after")
+    def _model_params(self) -> ExperimentConfig:
+        """The model's parameters as its own type (defaults when the table is absent)."""
+        entry = model_entry(self.model)
+        if not isinstance(self.model_params, entry.params_type):
+            table = self.model_params or {}
+            if not isinstance(table, dict):
+                raise ValueError(f"{PARAMS_TABLE} must be a table of the model's parameters")
+            object.__setattr__(self, "model_params", validate_params(entry, table))
+        return self
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The run's model, as server and silos build it (:func:`dpcfl_flwr.models.build`)."""
+        return ModelSpec(self.model, self.num_classes, self.record_shape,
+                         tuple(sorted(params_table(self.model_params).items())),
+                         self.model_fix, parse_prefixes(self.trainable))
 
     @field_validator("input_shape")
     @classmethod
@@ -287,9 +333,12 @@ class ExperimentConfig(ConfigModel):
         return Path(self.ledger_dir) if self.ledger_dir else Path(self.out_dir) / "ledgers"
 
     def to_run_config(self) -> dict[str, Any]:
-        """The flat kebab-case dict Flower expects, method tables as ``<method>.<key>``
+        """The flat kebab-case dict Flower expects, method tables as ``<method>.<key>`` and
+        the model's parameters that differ from its defaults as ``model-params.<key>``
         (inverse of :func:`parse_run_config`)."""
         flat = self.model_dump(by_alias=True)
+        flat.update({f"{PARAMS_TABLE}.{key}": value
+                     for key, value in params_table(self.model_params).items()})
         for name, params in self.methods.items():
             flat.update({f"{name}.{key}": value
                          for key, value in params.model_dump(by_alias=True).items()})
@@ -479,8 +528,9 @@ DEPLOYMENT_REQUIRED = ("epsilon", "delta", "ledger_path")
 
 def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
     """Validate Flower's run config, method tables included (``<method>.<key>``: Flower
-    flattens a TOML table ``[rdpcfl]`` to ``rdpcfl.<key>``); raises :class:`ConfigError`
-    with one line."""
+    flattens a TOML table ``[rdpcfl]`` to ``rdpcfl.<key>``) and the model's parameters
+    (``model-params.<key>``, the table the chosen model validates); raises
+    :class:`ConfigError` with one line."""
     base: dict[str, Any] = {}
     tables: dict[str, dict[str, Any]] = {}
     for key, value in raw.items():
@@ -489,6 +539,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> ExperimentConfig:
             tables.setdefault(name, {})[inner] = value
         else:
             base[key] = value
+    base[PARAMS_TABLE] = tables.pop(PARAMS_TABLE, {})
     known = registry.methods()
     methods = {}
     for name, table in tables.items():

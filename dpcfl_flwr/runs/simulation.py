@@ -31,6 +31,7 @@ from ..config.config_file import load_config, toml_value
 from ..config.settings import ExperimentConfig, parse_run_config
 from ..flower_compat import run_simulation as run_in_engine
 from ..flower_compat import signals_left_to_caller
+from ..models import initial_state
 from .processes import descendants
 
 SERVER_APP = "dpcfl_flwr.server_app:app"
@@ -60,6 +61,9 @@ def experiment_to_run(config: Path | None, overrides: Mapping[str, Any], out: Pa
     elif "out-dir" not in pairs and (config is None or "out-dir" not in config.read_text()):
         pairs["out-dir"] = time.strftime("results/%Y%m%d-%H%M%S")
     experiment = absolute_paths(load_config(config, pairs))
+    # the model as the server will build it (registry, Opacus' check, trainable prefixes,
+    # initial weights): a model that cannot be built is one line here, before Ray starts
+    initial_state(experiment.model_spec, experiment.seed, experiment.initial_weights)
     out_dir = Path(experiment.out_dir)
     if (out_dir / "results.json").exists() or (out_dir / "ledgers").exists():
         if not overwrite:
@@ -218,9 +222,10 @@ def _kill_engine_and_exit(why: str, signum: int) -> None:
 
 
 def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
-    """Make out-dir, ledger-dir and data-dir absolute (Ray workers have other cwds)."""
+    """Make out-dir, ledger-dir, data-dir and initial-weights absolute (Ray workers have
+    other cwds)."""
     update = {}
-    for key in ("out_dir", "ledger_dir", "data_dir"):
+    for key in ("out_dir", "ledger_dir", "data_dir", "initial_weights"):
         value = getattr(experiment, key)
         if value:
             update[key] = str(Path(value).expanduser().resolve())

@@ -19,8 +19,9 @@ holds JSON values only (``weights_only`` loading):
 run's planned rounds; None if the silo never saw a train message of the run), ``final``,
 ``cluster`` (the cluster whose model it is; -3: the silo's own), ``own_model`` (cluster -3:
 the personal model the silo kept, which never left it), ``model``, ``in_channels``,
-``dataset``, ``test_accuracy``, ``test_loss`` (exact, on the silo's test split; the loss of a
-silo with private metrics is the mean of per-record losses clipped to 10 nats),
+``input_shape``, ``model_params`` (the model's run-config table, defaults left out),
+``model_fix``, ``dataset``, ``test_accuracy``, ``test_loss`` (exact, on the silo's test split;
+the loss of a silo with private metrics is the mean of per-record losses clipped to 10 nats),
 ``reported_test_accuracy``, ``reported_test_loss`` (what the evaluation reply carried: noised
 with private metrics), ``metrics`` (``exact`` / ``private``), ``num_test``, ``epsilon_spent``,
 ``epsilon_budget``, ``delta``, ``ledger_path``, ``written_at`` (UTC, ISO 8601).
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..files import write_atomically
-from ..models import build_model
+from ..models import ModelSpec, build
 from ..protocol import OWN
 
 if TYPE_CHECKING:
@@ -102,10 +103,23 @@ def load_silo_model(path: str | Path) -> SiloModel:
     """
     payload = _read(Path(path))
     metadata = dict(payload["metadata"])
-    model = build_model(metadata["model"], int(metadata.get("num_classes", 10)),
-                        in_channels=int(metadata["in_channels"]))
+    model = build(_spec(metadata))
     model.load_state_dict(payload["state_dict"])
     return SiloModel(model.eval(), metadata)
+
+
+def _spec(metadata: dict[str, Any]) -> ModelSpec:
+    """The model a file's metadata names (files written before models had parameters: an
+    image model of its ``in_channels`` with its defaults)."""
+    name = str(metadata["model"])
+    if "input_shape" in metadata:
+        shape = tuple(int(size) for size in metadata["input_shape"])
+    else:
+        size = 28 if name == "cnn" else 32
+        shape = (int(metadata["in_channels"]), size, size)
+    params = tuple(sorted(dict(metadata.get("model_params", {})).items()))
+    return ModelSpec(name, int(metadata.get("num_classes", 10)), shape, params,
+                     bool(metadata.get("model_fix", False)))
 
 
 def _replaces(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
@@ -129,6 +143,9 @@ def evaluated_metadata(silo: Silo, server_round: int, cluster: int, rounds: int 
         "final": rounds is not None and server_round == rounds,
         "cluster": cluster, "own_model": cluster == OWN, "model": silo.experiment.model,
         "in_channels": silo._channels(), "num_classes": silo.experiment.num_classes,
+        "input_shape": list(silo.experiment.record_shape),
+        "model_params": dict(silo.experiment.model_spec.params),
+        "model_fix": silo.experiment.model_fix,
         "dataset": settings.dataset,
         "test_accuracy": float(exact["test-accuracy"]), "test_loss": float(exact["test-loss"]),
         "reported_test_accuracy": float(reported["test-accuracy"]),

@@ -26,6 +26,7 @@ from ..data import ClientData, DataError
 from ..data.arrays import check_schema
 from ..data.schema import Schema
 from ..data.sources import SourceRequest, load_records
+from ..dpsgd.per_sample import engine_name
 from ..dpsgd.training import (
     DPSGDConfig,
     configure_threads,
@@ -35,7 +36,7 @@ from ..dpsgd.training import (
     secure_generator,
     train_dp,
 )
-from ..models import build_model
+from ..models import ModelSpec, build
 from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
 from ..privacy.budget import plan_noise
 from ..privacy.history import History
@@ -334,14 +335,15 @@ class Silo:
             )
 
     def new_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = build_model(self.experiment.model, self.experiment.num_classes,
-                            in_channels=self._channels())
+        """The run's model, built from this silo's own installed code (the registry), with
+        ``state`` loaded; ConfigError when it cannot be built here."""
+        model = build(self.experiment.model_spec)
         model.load_state_dict(state)
         return model
 
     def template(self) -> dict[str, torch.Tensor]:
         """The model's tensor names and shapes, to unpack the one-Array models messages carry."""
-        return _template(self.experiment.model, self._channels(), self.experiment.num_classes)
+        return _template(self.experiment.model_spec)
 
     def _channels(self) -> int:
         return self.experiment.record_shape[0]
@@ -391,6 +393,7 @@ class Silo:
         """One round of DP-SGD from ``state``; charges the ledger and returns the update with
         the numbers the silo reports (validation figures only with exact metrics)."""
         model = self.new_model(state)
+        self._log_engine(model, config.grad_sample_mode)
         result = train_dp(model, self.data.x_train, self.data.y_train, config,
                           round_number=round_number, seed=self.charge_seed(), prox=prox)
         self.charge(result.entries)
@@ -399,6 +402,14 @@ class Silo:
             metrics["val-loss"], metrics["val-accuracy"] = evaluate(
                 model, self.data.x_val, self.data.y_val)
         return result.update, metrics
+
+    def _log_engine(self, model: torch.nn.Module, mode: str) -> None:
+        """Say once per silo and run which per-sample engine DP-SGD uses for the model."""
+        key = (self.silo.partition_id, self.run_id)
+        if key not in _ENGINES_LOGGED:
+            _ENGINES_LOGGED.add(key)
+            logger.info("silo %s: model %s trains with the %s engine", self.silo.partition_id,
+                        self.experiment.model, engine_name(model, mode))
 
     def evaluation_cost(self, round_number: int) -> list[GaussianSteps]:
         """What answering an evaluate query costs: nothing with exact metrics."""
@@ -430,10 +441,12 @@ class Silo:
         return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}, exact
 
 
+#: (partition, run) pairs whose engine this process has logged.
+_ENGINES_LOGGED: set[tuple[int, int]] = set()
+
+
 @functools.lru_cache(maxsize=4)
-def _template(model: str, channels: int, num_classes: int) -> dict[str, torch.Tensor]:
+def _template(spec: ModelSpec) -> dict[str, torch.Tensor]:
     # Built once per process (a warm runtime answers every round of its silo); meta tensors
     # keep names, shapes and dtypes without holding a second copy of the weights.
-    return {k: v.detach().to("meta")
-            for k, v in build_model(model, num_classes, in_channels=channels
-                                    ).state_dict().items()}
+    return {k: v.detach().to("meta") for k, v in build(spec).state_dict().items()}

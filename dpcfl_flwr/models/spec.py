@@ -1,0 +1,76 @@
+"""One model as a run names it, and the one way it is built (server and every silo).
+
+:class:`ModelSpec` holds what the run config says about the model: its registry name, its
+parameters, the schema's classes and record shape, ``model-fix`` and the ``trainable``
+prefixes. :func:`build` turns it into a module: the registry's builder, Opacus' check (or fix),
+then the frozen layers. The server builds it with the run's seed for theta_init
+(:func:`initial_state`); a silo builds it from its own installed code and loads the server's
+weights into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config.validation import ConfigError
+from .dp_check import dp_trainable
+from .initial_weights import load_initial_weights
+from .registry import model_entry, validate_params
+from .trainable import freeze_except
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the run config names it (hashable: silos cache its tensor layout).
+
+    ``params``: the model's run-config table as sorted (key, value) pairs; ``input_shape``:
+    one record's shape; ``trainable``: parameter-name prefixes to train (empty: all)."""
+
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    fix: bool = False
+    trainable: tuple[str, ...] = ()
+
+
+def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
+    """A fresh model in training mode; ``seed`` makes its initial weights reproducible
+    without touching torch's global random state. ConfigError (one line) when the model is
+    not installed, its builder raises or returns no module, or DP-SGD cannot train it."""
+    entry = model_entry(spec.name)
+    params = validate_params(entry, dict(spec.params))
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            model = entry.builder(spec.num_classes, spec.input_shape, params)
+        except Exception as exc:  # a plug-in may raise anything: one line, not a traceback
+            text = str(exc).strip().splitlines()
+            raise ConfigError(f"model {spec.name!r} ({entry.origin}) could not be built for "
+                              f"{spec.num_classes} classes and input shape "
+                              f"{spec.input_shape}: {type(exc).__name__}: "
+                              f"{text[0] if text else '(no message)'}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {spec.name!r} ({entry.origin}): its builder returned a "
+                          f"{type(model).__name__}, not a torch.nn.Module")
+    model = dp_trainable(model, spec.name, spec.fix)
+    freeze_except(model, spec.trainable, spec.name)
+    return model
+
+
+def initial_state(spec: ModelSpec, seed: int, weights: str = "") -> dict[str, torch.Tensor]:
+    """theta_init: the seeded model's state, or (``weights``, a file path) the file's tensors,
+    checked against it."""
+    state = build(spec, seed).state_dict()
+    return load_initial_weights(weights, state) if weights else state
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters (the coordinates DP-SGD clips and noises). A model update on the
+    wire holds every tensor of the state dict; a frozen parameter's coordinates are 0 there."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
