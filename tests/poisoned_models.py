@@ -1,8 +1,9 @@
 """Weights a malicious server crafts so that the forward pass overflows on one record only: the
 NaN canary (docs/threat-model.md#the-server-chooses-the-weights).
 
-The first convolution's unit 0 becomes a detector that fires only on the target record (its
-filter's response is above a threshold set between the target's and every other record's);
+The first layer's unit 0 (a convolution's filter, or for a table's MLP a Linear unit) becomes
+a detector that fires only on the target record (its response is above a threshold set between
+the target's and every other record's);
 every later layer's unit 0 reads only unit 0 of the layer before, times 1e30. On the target the
 logits overflow to inf, so its loss and gradient are inf or NaN; on every other record unit 0 is
 exactly 0 all the way, so their losses and gradients stay ordinary. Without per-record guards
@@ -57,17 +58,20 @@ def _trainable_layers(model: nn.Module) -> list[nn.Module]:
 def plant_canary(model: nn.Module, x: torch.Tensor, fire: bool = True) -> int:
     """Make ``model`` (in place) overflow on one record of ``x`` only; returns its index.
 
-    The target is the record whose response to the first convolution's filter 0 is highest
+    The target is the record whose response to the first layer's unit 0 is highest
     (unique for real images); the threshold sits halfway to the second highest. ``fire=False``
     sets it above every record instead: the same weights, on data without the target."""
     first, *later = _trainable_layers(model)
-    assert isinstance(first, nn.Conv2d), "the canary's detector is the first convolution"
-    responses = F.conv2d(x, first.weight[:1], None, first.stride, first.padding)
+    if isinstance(first, nn.Conv2d):
+        responses = F.conv2d(x, first.weight[:1], None, first.stride, first.padding)
+        channels = first.out_channels
+    else:  # a Linear first layer (the MLP): one response per record
+        responses = F.linear(torch.flatten(x, 1), first.weight[:1])
+        channels = first.out_features
     peaks = responses.flatten(1).amax(1)
     top = torch.topk(peaks, 2)
     target = int(top.indices[0])
     first.bias[0] = -float(top.values.mean() if fire else top.values[0] + 1.0)
-    channels = first.out_channels
     for layer in later:
         if layer.bias is not None:
             layer.bias[0] = 0.0

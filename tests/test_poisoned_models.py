@@ -26,7 +26,7 @@ from dpcfl_flwr.dpsgd.training import (
     train_dp,
     train_sgd,
 )
-from dpcfl_flwr.models import build_model
+from dpcfl_flwr.models import ModelSpec, build, build_model
 from dpcfl_flwr.privacy.metrics import LOSS_BOUND
 from tests.poisoned_models import (
     GhostNet,
@@ -43,6 +43,8 @@ MODELS = {
     "ghost": (GhostNet, (12, 1, 6, 6)),
     # GroupNorm's materialised per-sample gradients
     "groupnorm": (GroupNormNet, (12, 1, 6, 6)),
+    # the table's MLP: Linear layers only (the factored per-sample norm throughout)
+    "mlp": (lambda: build(ModelSpec("mlp", 10, (20,), (("hidden", "16,16"),))), (12, 20)),
 }
 
 

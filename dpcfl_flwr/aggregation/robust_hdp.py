@@ -25,10 +25,18 @@ log = logging.getLogger(__name__)
 
 
 def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.ndarray:
-    """sigma_hat_i^2 per silo: ||S[:, i]||^2 / rows for the RPCA of the first p' coordinates
-    of the (n, p) ``updates`` (units: the update's, squared)."""
-    rows = min(updates.shape[1], settings.rpca_rows)
-    block = updates[:, :rows].T
+    """sigma_hat_i^2 per silo: ||S[:, i]||^2 / rows for the RPCA of the first p' trained
+    coordinates of the (n, p) ``updates`` (units: the update's, squared).
+
+    A coordinate that is exactly 0 in every update is a frozen parameter's (run config
+    ``trainable``): DP-SGD adds no noise there, and a trained coordinate carrying Gaussian
+    noise is never exactly 0. Such coordinates are left out, so the p' rows are trained ones
+    (a frozen base ahead of the head would otherwise fill them with zeros)."""
+    trained = updates[:, np.any(updates != 0, axis=0)]
+    if trained.shape[1] == 0:  # no silo moved any coordinate: nothing to estimate from
+        return np.zeros(updates.shape[0])
+    rows = min(trained.shape[1], settings.rpca_rows)
+    block = trained[:, :rows].T
     result = principal_component_pursuit(block, tol=settings.rpca_tol,
                                           max_iter=settings.rpca_max_iter)
     if not result.converged:
