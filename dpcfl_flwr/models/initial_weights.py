@@ -40,8 +40,10 @@ def load_initial_weights(path: str | Path, state: Mapping[str, torch.Tensor]
     where = f"run config: initial-weights {str(path)!r}"
     try:
         stored = _read(Path(path))
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise ConfigError(f"{where}: cannot be read: {exc}") from None
+    except Exception as exc:  # unpickling and zip errors of a damaged file are of many kinds
+        lines = str(exc).strip().splitlines()
+        raise ConfigError(f"{where}: cannot be read: {type(exc).__name__}: "
+                          f"{lines[0] if lines else '(no message)'}") from None
     missing = [name for name in state if name not in stored]
     unexpected = [name for name in stored if name not in state]
     if missing or unexpected:

@@ -4,7 +4,7 @@ A model is a *builder*, a callable ``builder(num_classes, input_shape, params) -
 ``num_classes`` is the schema's C, ``input_shape`` one record's shape (no batch dimension, e.g.
 ``(1, 28, 28)`` or ``(14,)``) and ``params`` its validated parameters. The type annotation of
 the third argument says what the parameters are: a pydantic model, validated from the run
-config's ``model-params`` table; a builder without one takes no parameters.
+config's ``model-params`` table. A builder ``(num_classes, input_shape)`` takes no parameters.
 
 The built-ins (``cnn``, ``resnet18``, ``mlp``) are found the same way as installed plug-ins,
 by a ``module:attribute`` reference, so both are loaded and checked by one code path. An
@@ -61,6 +61,14 @@ class ModelEntry:
     builder: Builder
     params_type: type[BaseModel]
     origin: str
+    takes_params: bool = True
+
+    def __call__(self, num_classes: int, input_shape: tuple[int, ...], params: BaseModel
+                 ) -> Any:
+        """Call the builder (without ``params`` when it takes only two arguments)."""
+        if self.takes_params:
+            return self.builder(num_classes, input_shape, params)
+        return self.builder(num_classes, input_shape)
 
 
 def _installed() -> dict[str, list[str]]:
@@ -105,20 +113,18 @@ def _load(name: str, reference: str, origin: str) -> ModelEntry:
     if not callable(target):
         raise ConfigError(f"model {name!r} ({origin}) is a {type(target).__name__}, not a "
                           "builder (num_classes, input_shape, params) -> nn.Module")
-    return ModelEntry(name, target, _params_type(name, target, origin), origin)
-
-
-def _params_type(name: str, builder: Builder, origin: str) -> type[BaseModel]:
-    """The pydantic model the builder's third argument is annotated with; NoParams when it
-    has no third argument or no such annotation."""
     try:
-        arguments = list(inspect.signature(builder, eval_str=True).parameters.values())
+        arguments = list(inspect.signature(target, eval_str=True).parameters.values())
     except Exception as exc:  # an annotation that does not resolve, a C callable
         raise ConfigError(f"model {name!r} ({origin}): its builder's signature cannot be read: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
-    if len(arguments) < 3:
-        return NoParams
-    annotation = arguments[2].annotation
+    return ModelEntry(name, target, _params_type(arguments), origin, len(arguments) >= 3)
+
+
+def _params_type(arguments: list[inspect.Parameter]) -> type[BaseModel]:
+    """The pydantic model the builder's third argument is annotated with; NoParams when it
+    has no third argument or no such annotation."""
+    annotation = arguments[2].annotation if len(arguments) >= 3 else None
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation
     return NoParams

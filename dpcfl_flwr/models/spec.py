@@ -48,7 +48,7 @@ def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
         if seed is not None:
             torch.manual_seed(seed)
         try:
-            model = entry.builder(spec.num_classes, spec.input_shape, params)
+            model = entry(spec.num_classes, spec.input_shape, params)
         except Exception as exc:  # a plug-in may raise anything: one line, not a traceback
             text = str(exc).strip().splitlines()
             raise ConfigError(f"model {spec.name!r} ({entry.origin}) could not be built for "

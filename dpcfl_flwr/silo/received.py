@@ -19,8 +19,9 @@ def received_model(models: Mapping[str, WireModel], name: str, silo: Silo
     model (size, names, shapes, dtypes), or not finite (NaN weights make every figure NaN)."""
     if name not in models:
         raise BadRequest(f"the message carries no model '{name}'")
+    template = silo.template()  # a model this silo cannot build is its failure, not the message's
     try:
-        state = unpack_state(models[name], silo.template())
+        state = unpack_state(models[name], template)
     except (ValueError, KeyError, TypeError, EOFError, OSError) as exc:
         raise BadRequest(f"model '{name}' is not this silo's model: {exc}") from None
     if not all(bool(torch.isfinite(tensor).all()) for tensor in state.values()):
