@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +81,22 @@ def test_an_mlp_trains_on_the_silos_own_tables(tmp_path, server_task_identity, c
     for p in range(SILOS):  # once per silo and run, not once per round
         line = f"silo {p}: model mlp trains with the layerwise engine"
         assert caplog.text.count(line) == 1, caplog.text[-2000:]
+
+
+def test_simulate_stops_with_one_line_when_the_model_cannot_be_built(tmp_path):
+    """``dpcfl simulate`` builds the model before Ray starts: a prefix that matches nothing, a
+    weights file that is not the model's, is its one error line (exit 2)."""
+    torch.save({"w": torch.zeros(1)}, tmp_path / "w.pt")
+    for overrides, expected in (
+            (["model=mlp", "input-shape=6", "trainable=clasifier"],
+             "'clasifier' matches no parameter of model 'mlp'"),
+            (["model=mlp", "input-shape=6", f"initial-weights={tmp_path / 'w.pt'}"],
+             "its tensors are not the model's")):
+        sets = [part for item in overrides for part in ("--set", item)]
+        bad = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "simulate", *sets,
+                              "--out", str(tmp_path / "x")],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2
+        lines = [line for line in bad.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and expected in lines[0], bad.stderr
+        assert not (tmp_path / "x").exists()  # nothing started

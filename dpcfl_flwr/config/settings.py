@@ -184,10 +184,13 @@ class ExperimentConfig(ConfigModel):
                          tuple(sorted(params_table(self.model_params).items())),
                          self.model_fix, parse_prefixes(self.trainable))
 
-    @field_validator("input_shape")
+    @field_validator("input_shape", mode="before")
     @classmethod
-    def _valid_shape(cls, value: str) -> str:
-        if value.strip():
+    def _valid_shape(cls, value: Any) -> Any:
+        # one size (a table's features: `--set input-shape=14`) arrives as a number
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str) and value.strip():
             parse_shape(value)
         return value
 
