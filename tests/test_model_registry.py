@@ -315,3 +315,33 @@ def test_a_prefix_matching_no_parameter_is_one_line():
                                  "hidden)")
     with pytest.raises(ConfigError, match="'hidden.0.w' matches no parameter"):
         build(_mlp_run(trainable="hidden.0.w").model_spec)  # prefixes end at a dot
+
+
+def test_the_docs_plugin_example_installs_and_builds_as_written(tmp_path, monkeypatch):
+    """docs/own-data.md's plug-in: its module and its pyproject entry point, installed as pip
+    would leave them, give the model the page's run config names."""
+    import re
+    import tomllib
+
+    page = (Path(__file__).parents[1] / "docs" / "own-data.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, flags=re.S)
+                if "# clinic_nets/models.py" in block)
+    declared = next(block for block in re.findall(r"```toml\n(.*?)```", page, flags=re.S)
+                    if "dpcfl_flwr.models" in block)
+    points = tomllib.loads(declared)["project"]["entry-points"]["dpcfl_flwr.models"]
+    site = tmp_path / "site"
+    (site / "clinic_nets").mkdir(parents=True)
+    (site / "clinic_nets" / "__init__.py").write_text("")
+    (site / "clinic_nets" / "models.py").write_text(code)
+    info = site / "clinic_nets-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: clinic-nets\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[dpcfl_flwr.models]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+    monkeypatch.syspath_prepend(str(site))
+    experiment = parse_run_config({"model": "deep-mlp", "input-shape": "14", "num-classes": 2,
+                                   "model-params.width": 64})
+    model = build(experiment.model_spec, seed=0)
+    # 3 layers of 64 (the default depth) on 14 features, then 2 logits
+    assert count_parameters(model) == (14 * 64 + 64) + 2 * (64 * 64 + 64) + (64 * 2 + 2)
+    assert engine_name(model, "auto") == "layerwise"

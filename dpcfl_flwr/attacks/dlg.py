@@ -26,7 +26,7 @@ varies smoothly with the input; the original paper replaced ReLU by sigmoid. Our
 still leaks: without noise a Fashion-MNIST record comes back recognisable (MSE about 0.02,
 against about 0.24 for a random image), but sigmoid brings it to about 0.002. ``--activation
 sigmoid`` (:func:`attack_model`) builds that variant of the CNN for the demonstration only;
-models.py is unchanged, and a saved model is always attacked as it was trained.
+the model registry is unchanged, and a saved model is always attacked as it was trained.
 
 Optimiser. L-BFGS with a strong Wolfe line search, where the DLG paper used fixed steps:
 measured on two Fashion-MNIST records, fixed steps sometimes diverge (sigmoid CNN at v = 0.001:
@@ -59,7 +59,7 @@ LBFGS_HISTORY = 100
 
 def attack_model(name: str, num_classes: int, in_channels: int, activation: str,
                  seed: int) -> nn.Module:
-    """A fresh model of the repository (models.py), its ReLUs replaced by sigmoids when
+    """A fresh model of the registry (dpcfl_flwr.models), its ReLUs replaced by sigmoids when
     ``activation == "sigmoid"`` (the DLG paper's choice, see the module docstring)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of "
