@@ -25,3 +25,15 @@ def task_identity():
 def server_task_identity(task_identity):
     """The identity of a ServerApp's task in tests: task 1 of run 1."""
     task_identity(1, 1, 0)
+
+
+@pytest.fixture()
+def one_torch_thread():
+    """Torch on one intra-op thread for the test (the machine's cores are shared), restored
+    afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

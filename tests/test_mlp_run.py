@@ -28,12 +28,7 @@ from tests.grid_double import GridDouble
 SILOS, FEATURES, CLASSES, RECORDS = 3, 6, 3, 300
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _records(path: Path, seed: int, rule: np.ndarray) -> Path:

@@ -25,12 +25,7 @@ from tests.poisoned_models import GhostNet, GroupNormNet
 MODES = ["layerwise", "hooks", "functorch"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _frozen_base_mlp() -> nn.Module:

@@ -22,6 +22,9 @@ from ..config.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 
+#: The conversions this process has logged at INFO.
+_LOGGED: set[str] = set()
+
 #: Layers no Opacus validator looks at: a model made only of these (and parameter-free
 #: modules), with no buffers, skips importing Opacus (seconds, in every ClientApp process).
 _PLAIN = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.GroupNorm, nn.LayerNorm, nn.Embedding)
@@ -71,5 +74,8 @@ def dp_trainable(model: nn.Module, name: str, fix: bool) -> nn.Module:
         left = offending_layers(fixed) or [type(remaining[0]).__name__]
         raise ConfigError(f"model {name!r} cannot be trained with DP-SGD even after "
                           f"model-fix: Opacus still refuses {', '.join(left)}")
-    logger.info("model %s: Opacus replaced %s (model-fix = true)", name, ", ".join(layers))
+    message = f"model {name}: Opacus replaced {', '.join(layers)} (model-fix = true)"
+    # a silo builds the model for every candidate and round: say it once per process
+    logger.log(logging.DEBUG if message in _LOGGED else logging.INFO, "%s", message)
+    _LOGGED.add(message)
     return fixed
