@@ -216,7 +216,7 @@ def test_a_schema_without_features_or_with_the_label_as_a_feature_is_refused(tmp
 def _table_silo(tmp_path: Path, path: Path) -> tuple[dict, dict]:
     node = _arrays_node(tmp_path, path, **{"data-source": "table", "split-column": "part",
                                            "ignore-columns": "id"})
-    run = _run_config(tmp_path, features=FEATURES, **{"num-classes": 2,
+    run = _run_config(tmp_path, features=FEATURES, **{"num-classes": 2, "model": "mlp",
                                                       "missing-values": "fill"})
     return node, run
 

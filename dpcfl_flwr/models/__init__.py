@@ -21,16 +21,23 @@ from .spec import ModelSpec, build, count_parameters, initial_state
 MODEL_NAMES = ("cnn", "resnet18")
 
 
-def build_model(name: str, num_classes: int = 10, in_channels: int | None = None,
-                seed: int | None = None) -> nn.Module:
-    """A fresh image model of the registry with its default parameters, for records of
-    ``in_channels`` x 28 x 28 (``cnn``; default 1 channel) or x 32 x 32 (others; default 3);
-    ``seed`` makes the initial weights (theta_init) reproducible."""
+def image_model_spec(name: str, num_classes: int = 10, in_channels: int | None = None
+                     ) -> ModelSpec:
+    """An image model of the registry with its default parameters, for the benchmarks'
+    records: ``in_channels`` x 28 x 28 (``cnn``; default 1 channel) or x 32 x 32 (others;
+    default 3)."""
     channels = in_channels if in_channels is not None else (1 if name == "cnn" else 3)
     size = 28 if name == "cnn" else 32
-    return build(ModelSpec(name, num_classes, (channels, size, size)), seed)
+    return ModelSpec(name, num_classes, (channels, size, size))
+
+
+def build_model(name: str, num_classes: int = 10, in_channels: int | None = None,
+                seed: int | None = None) -> nn.Module:
+    """A fresh image model (:func:`image_model_spec`); ``seed`` makes the initial weights
+    (theta_init) reproducible."""
+    return build(image_model_spec(name, num_classes, in_channels), seed)
 
 
 __all__ = ["ENTRY_POINT_GROUP", "GROUPNORM_GROUPS", "MLP", "MODEL_NAMES", "BasicBlock",
            "MLPParams", "ModelSpec", "PaperCNN", "ResNet18GN", "build", "build_model",
-           "count_parameters", "initial_state", "model_names"]
+           "count_parameters", "image_model_spec", "initial_state", "model_names"]

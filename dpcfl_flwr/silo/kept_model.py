@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..files import write_atomically
-from ..models import ModelSpec, build
+from ..models import ModelSpec, build, image_model_spec
 from ..protocol import OWN
 
 if TYPE_CHECKING:
@@ -111,15 +111,12 @@ def load_silo_model(path: str | Path) -> SiloModel:
 def _spec(metadata: dict[str, Any]) -> ModelSpec:
     """The model a file's metadata names (files written before models had parameters: an
     image model of its ``in_channels`` with its defaults)."""
-    name = str(metadata["model"])
-    if "input_shape" in metadata:
-        shape = tuple(int(size) for size in metadata["input_shape"])
-    else:
-        size = 28 if name == "cnn" else 32
-        shape = (int(metadata["in_channels"]), size, size)
+    name, classes = str(metadata["model"]), int(metadata.get("num_classes", 10))
+    if "input_shape" not in metadata:
+        return image_model_spec(name, classes, int(metadata["in_channels"]))
+    shape = tuple(int(size) for size in metadata["input_shape"])
     params = tuple(sorted(dict(metadata.get("model_params", {})).items()))
-    return ModelSpec(name, int(metadata.get("num_classes", 10)), shape, params,
-                     bool(metadata.get("model_fix", False)))
+    return ModelSpec(name, classes, shape, params, bool(metadata.get("model_fix", False)))
 
 
 def _replaces(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
