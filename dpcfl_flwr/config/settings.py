@@ -19,6 +19,7 @@ from ..data.sources import is_source, source_names
 from ..models.registry import (
     ENTRY_POINT_GROUP,
     PARAMS_TABLE,
+    is_model,
     model_entry,
     model_names,
     params_table,
@@ -160,10 +161,9 @@ class ExperimentConfig(ConfigModel):
     @field_validator("model")
     @classmethod
     def _installed_model(cls, value: str) -> str:
-        names = model_names()
-        if value not in names:
-            raise ValueError(f"not an installed model; choose from {', '.join(names)} (plug-ins: "
-                             f"entry point group {ENTRY_POINT_GROUP})")
+        if not is_model(value):
+            raise ValueError(f"not an installed model; choose from {', '.join(model_names())} "
+                             f"(plug-ins: entry point group {ENTRY_POINT_GROUP})")
         return value
 
     @model_validator(mode="after")

@@ -80,6 +80,13 @@ def _installed() -> dict[str, list[str]]:
     return found
 
 
+def is_model(name: str) -> bool:
+    """Whether a run config may name ``name`` here; installed packages are scanned only for a
+    name that is not built in (a scan of every installed distribution takes tens of ms, and
+    every message a silo answers validates the run config)."""
+    return name in BUILTINS or name in _installed()
+
+
 def model_names() -> tuple[str, ...]:
     """Every model a run config may name here: the built-ins, then installed plug-ins."""
     return (*BUILTINS, *sorted(name for name in _installed() if name not in BUILTINS))
