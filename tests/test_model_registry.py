@@ -232,6 +232,17 @@ def test_a_frozen_batchnorm_is_refused_too(plugin):
         build(spec)
 
 
+def test_the_layers_that_skip_opacus_check_are_ones_it_never_validates():
+    """A model of these layers (no buffers) is not handed to Opacus' validator, to spare every
+    silo process the import: sound only while Opacus registers no validator for them."""
+    from dpcfl_flwr.models.dp_check import _PLAIN, needs_opacus_check
+
+    assert not set(ModuleValidator.VALIDATORS) & set(_PLAIN)
+    assert not needs_opacus_check(build(ModelSpec("mlp", 3, (6,))))
+    assert needs_opacus_check(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)))
+    assert needs_opacus_check(nn.LSTM(4, 4))
+
+
 def test_model_fix_converts_the_same_way_on_server_and_silo(plugin, caplog):
     experiment = parse_run_config({"model": "toy-bn", "input-shape": "6", "model-fix": True})
     with caplog.at_level(logging.INFO, logger="dpcfl_flwr.models.dp_check"):
