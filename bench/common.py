@@ -8,6 +8,7 @@ same title in ``bench/RESULTS.md``, which holds only the current figure of each 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -17,12 +18,23 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 HISTORY = RESULTS.with_name("history")
 REPO = RESULTS.parents[1]
 CONTENTS_START = "<!-- contents -->"
 CONTENTS_END = "<!-- /contents -->"
+
+
+def script_module(path: Path) -> ModuleType:
+    """The Python file ``path`` (a script, e.g. under examples/, which is no package) loaded
+    as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def best_of(fn: Callable[[], float], repeats: int) -> float:

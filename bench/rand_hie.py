@@ -22,8 +22,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import publish  # noqa: E402
-from examples.rand_hie import GROUPS, SITES, export  # noqa: E402
+from bench.common import publish, script_module  # noqa: E402
+
+_example = script_module(Path(__file__).resolve().parents[1] / "examples" / "rand_hie.py")
+GROUPS, SITES, export = _example.GROUPS, _example.SITES, _example.export
 
 #: The training schedule of every cell (the MLP on 18 standardised features).
 SCHEDULE = {"batch-size": 64, "learning-rate": 0.1, "clip-norm": 1.0, "local-epochs": 1,
