@@ -80,7 +80,7 @@ def data_file() -> Path:
 
 
 def features_schema() -> str:
-    """The schema's ``features`` value (docs/own-data.md#tables)."""
+    """The schema's ``features`` value (docs/own-data.md#a-silos-table-data-source--table)."""
     return ", ".join(f"{name}:number({mean:g},{scale:g})" for name, mean, scale in FEATURES)
 
 
