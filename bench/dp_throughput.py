@@ -11,7 +11,7 @@ Whole loops last about a second on the CNN, so a burst of machine noise moves a 
 by 10%. The paired-steps section is the steadier figure: one of our DP-SGD steps and one
 non-private SGD step alternate on the same Poisson batches, hundreds of times, after warm-up.
 
-  python bench/dp_throughput.py [--model cnn|resnet18|both] [--repeats 5] [--paired-steps 600]
+  python bench/dp_throughput.py [--model cnn|resnet18|mlp|both] [--repeats 5] [--paired-steps 600]
                                 [--no-append]
 """
 
@@ -32,10 +32,19 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
 from dpcfl_flwr.dpsgd.training import DPSGDConfig, DPSGDStepper, train_dp  # noqa: E402
-from dpcfl_flwr.models import build_model  # noqa: E402
+from dpcfl_flwr.models import ModelSpec, build, build_model  # noqa: E402
 
 warnings.filterwarnings("ignore")
-SIZES = {"cnn": {"n": 2048, "shape": (1, 28, 28)}, "resnet18": {"n": 192, "shape": (3, 32, 32)}}
+SIZES = {"cnn": {"n": 2048, "shape": (1, 28, 28)}, "resnet18": {"n": 192, "shape": (3, 32, 32)},
+         "mlp": {"n": 4096, "shape": (18,)}}  # the MLP on a table of 18 numbers (RAND HIE's)
+
+
+def _model(name: str) -> nn.Module:
+    """A fresh model (seed 0) for the records of SIZES[name]: the paper's image models, or
+    the table MLP with its default hidden layers."""
+    if name == "mlp":
+        return build(ModelSpec("mlp", 10, SIZES["mlp"]["shape"]), seed=0)
+    return build_model(name, seed=0)
 
 
 def _data(model: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +55,7 @@ def _data(model: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def plain_sgd(name: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """One non-private SGD step on a fresh model: the hardware limit every loop compares to."""
-    model = build_model(name, seed=0)
+    model = _model(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
@@ -80,7 +89,7 @@ def opacus_default(name, x, y, batch):
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    model = build_model(name, seed=0)
+    model = _model(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
     model, opt, loader = PrivacyEngine().make_private(
@@ -100,7 +109,7 @@ def opacus_default(name, x, y, batch):
 
 def ours(mode):
     def run(name, x, y, batch):
-        model = build_model(name, seed=0)
+        model = _model(name)
         config = DPSGDConfig(1.0, 1.0, 0.01, "full" if batch >= x.shape[0] else batch,
                              grad_sample_mode=mode)
         start = time.perf_counter()
@@ -144,7 +153,7 @@ def paired_steps(name: str, batch: int, steps: int, warmup: int = 50) -> dict[st
     """Seconds spent in our DP-SGD steps and in non-private SGD steps on the same Poisson
     batches, alternating step by step (which goes first alternates too)."""
     x, y = _data(name)
-    private = build_model(name, seed=0)
+    private = _model(name)
     stepper = DPSGDStepper(private, DPSGDConfig(1.0, 1.0, 0.01, batch), float(batch))
     sampler = torch.Generator().manual_seed(1)
     spent = {"ours": 0.0, "non-private": 0.0}
@@ -165,7 +174,7 @@ def paired_steps(name: str, batch: int, steps: int, warmup: int = 50) -> dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="both", choices=["cnn", "resnet18", "both"])
+    parser.add_argument("--model", default="both", choices=["cnn", "resnet18", "mlp", "both"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--paired-steps", type=int, default=600,
                         help="paired steps at batch 32 per model (0: skip)")
