@@ -1,20 +1,28 @@
 """A silo whose records are several times larger than its memory trains to completion.
 
-The records are a directory of ``.npy`` files (``x.npy`` float32 records, ``y.npy`` labels)
-``--factor`` times larger than a memory cap. The silo runs in a child process confined to the
-cap by a cgroup (v1 memory controller: the page cache of the memory-mapped records counts
-against the cap, and is reclaimed under it): it loads its records as a deployed silo does
-(``dpcfl_flwr.data.arrays.load_arrays``: split drawn, NaN check in one pass), runs the
-full-batch round 1 (one pass, chunk by chunk), a Poisson round and a test evaluation, exactly
-the calls a silo's round makes. Reported: the data size against the cap, the cgroup's peak
-usage and the process's peak resident set, whether the kernel killed it (OOM), and the
-wall time of each phase.
+The records are ``--factor`` times larger than a memory cap: with ``--source npy`` (the
+default) a directory of ``.npy`` files (``x.npy`` float32 records, ``y.npy`` labels), with
+``--source parquet`` one Parquet file of row groups (a float32 column a pixel of a 1 x 28 x 28
+record, ``p0`` ... ``p783``, and a ``label`` column), read by the table source with the
+schema's input shape and a ``records-memory`` of an eighth of the cap. The silo runs in a
+child process confined to the cap by a cgroup (v1 memory controller: the page cache of the
+records it reads counts against the cap, and is reclaimed under it): it loads its records as a
+deployed silo does (split drawn, values checked in one pass), runs the full-batch round 1 (one
+pass, chunk by chunk), a Poisson round and a test evaluation, exactly the calls a silo's round
+makes. Reported: the data size against the cap, the cgroup's peak usage and the process's peak
+resident set, whether the kernel killed it (OOM), and the wall time of each phase.
 
-A control run reads the same records into memory (``np.load`` without memory-mapping) under
-the same cap, and must be killed: otherwise the cap was not binding.
+A Poisson step over Parquet reads every row group holding one of its records (with b = 1024
+and a few hundred groups, nearly all of them), so the Parquet round is
+``PARQUET_POISSON_STEPS`` Poisson steps over as many batches of training records spread over
+the whole file.
 
-  python bench/larger_than_memory.py [--cap-mib 1024] [--factor 5] [--dir /tmp/big]
-                                     [--no-append]
+A control run reads the same records into memory (``np.load`` without memory-mapping; for
+Parquet, a ``records-memory`` larger than the records) under the same cap, and must be killed:
+otherwise the cap was not binding.
+
+  python bench/larger_than_memory.py [--source npy|parquet] [--cap-mib 1024] [--factor 5]
+                                     [--dir /tmp/big] [--no-append]
 
 Needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory (it says so and stops
 otherwise). The records file is kept in --dir for a rerun (delete it afterwards: it is
@@ -40,6 +48,13 @@ from bench.common import publish  # noqa: E402
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 RECORD_SHAPE = (3, 64, 64)  # 48 KiB a record: few records, so a round has few steps
 BATCH = 1024
+#: Parquet records: one column a value, so a smaller record (784 columns, 3 KiB).
+PARQUET_SHAPE = (1, 28, 28)
+PARQUET_GROUP_ROWS = 8192  # 24.5 MiB a row group
+#: The lazily read silo's records-memory (its cache of converted row groups): cap / 8.
+PARQUET_CACHE_SHARE = 8
+PARQUET_POISSON_STEPS = 2
+PARQUET_FILE = "records.parquet"
 
 
 def write_records(directory: Path, size_bytes: int, seed: int = 0) -> int:
@@ -67,29 +82,86 @@ def write_records(directory: Path, size_bytes: int, seed: int = 0) -> int:
     return count
 
 
-def silo_child(directory: Path, in_memory: bool) -> dict[str, float]:
+def write_parquet(directory: Path, size_bytes: int, seed: int = 0) -> int:
+    """``records.parquet``: float32 records of PARQUET_SHAPE adding up to ``size_bytes``, a
+    column a value, in row groups of PARQUET_GROUP_ROWS written one at a time (never whole in
+    memory), uncompressed (random values do not compress), and labels 0..9. Reuses a file of
+    the right size. Returns the number of records."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    width = int(np.prod(PARQUET_SHAPE))
+    count = size_bytes // (4 * width)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / PARQUET_FILE
+    if path.exists() and pq.ParquetFile(path).metadata.num_rows == count:
+        return count
+    names = [f"p{i}" for i in range(width)]
+    schema = pa.schema([(name, pa.float32()) for name in names] + [("label", pa.int64())])
+    rng = np.random.default_rng(seed)
+    with pq.ParquetWriter(path, schema, compression="none", use_dictionary=False,
+                          write_statistics=False) as writer:
+        for start in range(0, count, PARQUET_GROUP_ROWS):
+            rows = min(PARQUET_GROUP_ROWS, count - start)
+            y = rng.integers(0, 10, rows)
+            columns = rng.standard_normal((width, rows), dtype=np.float32)  # a column a row
+            columns[: width // 4] += y * 0.1  # a little signal to learn
+            writer.write_batch(pa.record_batch([*map(pa.array, columns), pa.array(y)],
+                                                schema=schema))
+    return count
+
+
+def _records(directory: Path, source: str, in_memory: bool,  # type: ignore[no-untyped-def]
+             records_mib: int):
+    """The silo's records as it loads them (the control: read whole)."""
+    if source == "npy":
+        from dpcfl_flwr.data.arrays import load_arrays
+
+        if in_memory:
+            np.load(directory / "x.npy").sum()
+        return load_arrays(directory, 0, seed=0, val_fraction=0.01, test_fraction=0.05)
+    from dpcfl_flwr.data.schema import Schema, parse_features
+    from dpcfl_flwr.data.sources import SourceRequest
+    from dpcfl_flwr.data.table import load_table
+
+    features = parse_features(", ".join(f"p{i}:number" for i in range(
+        int(np.prod(PARQUET_SHAPE)))))
+    schema = Schema(PARQUET_SHAPE, 10, features=features, label="label")
+    memory = 2**20 if in_memory else records_mib  # the control: all in memory
+    return load_table(SourceRequest(directory / PARQUET_FILE, 0, 0, 0.01, 0.05, schema,
+                                    {"records-memory": memory}))
+
+
+def silo_child(directory: Path, in_memory: bool, source: str = "npy", records_mib: int = 256
+               ) -> dict[str, float]:
     """What a silo does with its records, timed (runs inside the capped cgroup)."""
     import torch
     from torch import nn
 
-    from dpcfl_flwr.data.arrays import load_arrays
     from dpcfl_flwr.dpsgd.training import DPSGDConfig, evaluation_sums, train_dp
 
     torch.set_num_threads(1)
     times: dict[str, float] = {}
     start = time.perf_counter()
-    if in_memory:  # the control: records read whole
-        np.load(directory / "x.npy").sum()
-    data = load_arrays(directory, 0, seed=0, val_fraction=0.01, test_fraction=0.05)
+    data = _records(directory, source, in_memory, records_mib)
     times["load and check (s)"] = time.perf_counter() - start
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 8, stride=8), nn.GroupNorm(2, 8), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
-    for name, batch, round_number in (("round 1, full batch (s)", "full", 1),
-                                      (f"round 2, Poisson b={BATCH} (s)", BATCH, 2)):
+    if source == "npy":
+        model = nn.Sequential(nn.Conv2d(3, 8, 8, stride=8), nn.GroupNorm(2, 8), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+        poisson = (f"round 2, Poisson b={BATCH} (s)", data.x_train, data.y_train)
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 8, 4, stride=4), nn.GroupNorm(2, 8), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(8 * 7 * 7, 10))
+        spread = np.linspace(0, data.num_train - 1, PARQUET_POISSON_STEPS * BATCH).astype(int)
+        poisson = (f"round 2, {PARQUET_POISSON_STEPS} Poisson steps b={BATCH} (s)",
+                   data.x_train.subset(spread), data.y_train[spread])
+    for name, batch, round_number, x, y in (
+            ("round 1, full batch (s)", "full", 1, data.x_train, data.y_train),
+            (poisson[0], BATCH, 2, poisson[1], poisson[2])):
         start = time.perf_counter()
         config = DPSGDConfig(1.0, 1.0, 0.5, batch, physical_batch_size=256)
-        train_dp(model, data.x_train, data.y_train, config, round_number=round_number, seed=1)
+        train_dp(model, x, y, config, round_number=round_number, seed=1)
         times[name] = time.perf_counter() - start
     start = time.perf_counter()
     _, correct = evaluation_sums(model, data.x_test, data.y_test)
@@ -111,12 +183,13 @@ def evict(path: Path) -> None:
         os.close(descriptor)
 
 
-def capped_run(directory: Path, cap_bytes: int, in_memory: bool) -> dict[str, object]:
+def capped_run(directory: Path, cap_bytes: int, in_memory: bool, source: str
+               ) -> dict[str, object]:
     """Run :func:`silo_child` in a fresh cgroup capped at ``cap_bytes``; its figures and the
     cgroup's."""
     group = CGROUP_ROOT / f"dpcfl-bench-{os.getpid()}-{int(in_memory)}"
     group.mkdir()
-    evict(directory / "x.npy")
+    evict(directory / ("x.npy" if source == "npy" else PARQUET_FILE))
     try:
         (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
         swap = group / "memory.memsw.limit_in_bytes"
@@ -124,7 +197,8 @@ def capped_run(directory: Path, cap_bytes: int, in_memory: bool) -> dict[str, ob
             swap.write_text(str(cap_bytes))
         code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); "
                 "from bench.larger_than_memory import silo_child; from pathlib import Path; "
-                f"print(json.dumps(silo_child(Path({str(directory)!r}), {in_memory})))")
+                f"print(json.dumps(silo_child(Path({str(directory)!r}), {in_memory}, {source!r}, "
+                f"{cap_bytes // 2**20 // PARQUET_CACHE_SHARE})))")
         script = (f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c "$0"')
         start = time.perf_counter()
         child = subprocess.run(["sh", "-c", script, code], capture_output=True, text=True,
@@ -158,6 +232,7 @@ def _oom_kills(group: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", choices=("npy", "parquet"), default="npy")
     parser.add_argument("--cap-mib", type=int, default=1024)
     parser.add_argument("--factor", type=float, default=5.0)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dpcfl-larger-than-memory"))
@@ -166,13 +241,20 @@ def main() -> None:
     if os.geteuid() != 0 or not (CGROUP_ROOT / "memory.limit_in_bytes").exists():
         sys.exit(f"needs root and a cgroup v1 memory controller at {CGROUP_ROOT}")
     cap = args.cap_mib * 2**20
-    count = write_records(args.dir, int(args.factor * cap))
-    size = (args.dir / "x.npy").stat().st_size
-    lazy = capped_run(args.dir, cap, in_memory=False)
-    control = capped_run(args.dir, cap, in_memory=True)
+    if args.source == "npy":
+        count = write_records(args.dir, int(args.factor * cap))
+        size, shape = (args.dir / "x.npy").stat().st_size, RECORD_SHAPE
+        stored = ".npy"
+    else:
+        count = write_parquet(args.dir, int(args.factor * cap))
+        size, shape = (args.dir / PARQUET_FILE).stat().st_size, PARQUET_SHAPE
+        stored = (f"Parquet, row groups of {PARQUET_GROUP_ROWS} records, records-memory "
+                  f"{args.cap_mib // PARQUET_CACHE_SHARE} MiB")
+    lazy = capped_run(args.dir, cap, in_memory=False, source=args.source)
+    control = capped_run(args.dir, cap, in_memory=True, source=args.source)
     rows = "\n".join(f"| {key} | {_show(lazy.get(key))} | {_show(control.get(key))} |"
                      for key in dict.fromkeys([*lazy, *control]))
-    body = (f"{count} records of {RECORD_SHAPE} float32 ({size / 2**30:.2f} GiB of .npy) "
+    body = (f"{count} records of {shape} float32 ({size / 2**30:.2f} GiB of {stored}) "
             f"under a cgroup memory cap of {args.cap_mib} MiB (page cache included; the records "
             f"are {size / cap:.1f}x the cap). "
             "Read when used: the silo's own loading, a full-batch round, a Poisson round "

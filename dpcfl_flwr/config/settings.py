@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ..data import Topology
+from ..data.records import RECORDS_MEMORY_MIB
 from ..data.schema import Schema, parse_features, parse_floats
 from ..data.sources import is_source, source_names
 from ..models.registry import (
@@ -371,9 +372,14 @@ class SiloConfig(ConfigModel):
     # (test-fraction for test, val-fraction of the rest for validation) unless the records
     # give the split (a table's split-column: train / val / test). schema-file: the
     # federation's schema as the silo expects it (a TOML file of the run config's schema
-    # keys), so that `dpcfl client` checks the records fully before it joins
+    # keys), so that `dpcfl client` checks the records fully before it joins.
+    # records-memory (MiB): what the silo's records may take in memory; records whose float32
+    # tensors (records x input size x 4 bytes) fit are read in when the silo starts, larger
+    # image folders and Parquet tables (and .npy arrays always) are read when used, with a
+    # cache of at most this size (docs/own-data.md#data-larger-than-memory)
     data_source: str | None = None
     data_path: str = ""
+    records_memory: int = Field(RECORDS_MEMORY_MIB, ge=1)
     split_column: str = ""
     # a table's columns the silo leaves out (comma-separated); any other column the schema
     # does not list refuses the table

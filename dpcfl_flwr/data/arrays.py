@@ -12,8 +12,9 @@ Two layouts (docs/own-data.md):
 Records are taken as they are: no shift, and no normalisation beyond what the silo stored
 (constants computed on a silo's records stay on the silo). Every problem is one line
 (:class:`~.readers.DataError`) naming the file and what was expected, without counts or values
-of the records: a refusal's reason reaches the server. The arrays are read into memory once
-a silo starts; training on data larger than memory is not built yet.
+of the records: a refusal's reason reaches the server. Records of ``.npy`` files stay in
+their files and are read when used (:class:`~.records.FileRows`); an ``.npz`` is read into
+memory when the silo starts.
 """
 
 from __future__ import annotations

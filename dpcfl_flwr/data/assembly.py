@@ -6,7 +6,9 @@ federation's schema (docs/own-data.md).
 - the silo's train / validation / test split, given by the records (split folders, a split
   column) or drawn on the silo with its seed (:func:`~.sources.draw_split`);
 - the :class:`~.partition.ClientData` made of the split tensors, with the rule every source
-  shares (at least 2 training records).
+  shares (at least 2 training records);
+- whether the records are built in memory or read when used: the silo's ``records-memory``
+  bounds what its records may take (docs/own-data.md#data-larger-than-memory).
 
 Errors are one :class:`~.readers.DataError` line naming where the problem is and what the
 schema expects, never a record's value: a refusal's reason reaches the server.
@@ -22,6 +24,7 @@ import torch
 
 from .partition import ClientData
 from .readers import DataError
+from .records import RECORDS_MEMORY_MIB, Inputs, LazyRecords, RowReader
 from .schema import Schema
 from .sources import SPLITS, SourceRequest, check_training_records, draw_split
 
@@ -63,7 +66,20 @@ def split_rows(count: int, given: np.ndarray | None, request: SourceRequest,
     return rows
 
 
-def client_data(client_id: int, parts: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+def records_memory(request: SourceRequest) -> int:
+    """The bytes the silo's records may take in memory (its ``records-memory``, MiB)."""
+    return int(request.options.get("records-memory") or RECORDS_MEMORY_MIB) * 2**20
+
+
+def lazy_parts(read: RowReader, labels: np.ndarray, split: Mapping[str, np.ndarray],
+               record_shape: tuple[int, ...]) -> dict[str, tuple[Inputs, torch.Tensor]]:
+    """Each split's records read when used by ``read`` (rows of all the records, which
+    ``labels`` label), with its labels."""
+    return {name: (LazyRecords(read, rows, record_shape), torch.from_numpy(labels[rows]))
+            for name, rows in split.items()}
+
+
+def client_data(client_id: int, parts: Mapping[str, tuple[Inputs, torch.Tensor]],
                 where: str | Path) -> ClientData:
     """A silo's records from its splits' ``(x, y)`` tensors (validation may be absent:
     empty), refused if fewer than 2 train. The silo's group is unknown (cluster -1)."""

@@ -21,6 +21,13 @@ Hidden entries (names starting with ``.``, such as ``.DS_Store``) are ignored; a
 that is not an image is refused rather than skipped, so that a silo's record count never
 silently depends on what it failed to read. Records are ordered by split, then class label,
 then file name, so the same folder always gives the same records.
+
+Images whose float32 records fit in the silo's ``records-memory`` are decoded into tensors when
+the silo starts. Larger folders are read when used (:class:`ImageRows`): the silo lists the
+files and decodes every image once at start-up, so an image that does not decode is refused
+before anything is trained, and afterwards decodes the images a step asks for, keeping the
+most recently used ones' pixels in a cache of at most ``records-memory`` bytes. Both ways
+build a record with the same code, so they give the same tensors.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from .assembly import class_labels, client_data, split_rows
+from .assembly import class_labels, client_data, lazy_parts, records_memory, split_rows
 from .partition import ClientData
 from .readers import DataError
+from .records import ByteCache, Inputs, fits_in_memory
 from .schema import Schema
 from .sources import SPLITS, SourceRequest
 
@@ -57,19 +65,62 @@ class _Image:
 
 def load_image_folder(request: SourceRequest) -> ClientData:
     """The ``image-folder`` data source: the images under the silo's ``data-path`` (module
-    docstring) as float32 tensors (n, C, H, W) built to the schema, with their split."""
+    docstring) as float32 records (n, C, H, W) built to the schema, with their split: in
+    memory, or read when used if they do not fit in the silo's ``records-memory``."""
     root, schema = request.path, request.schema
     shape = _image_shape(schema, root)
     images = _listed(root, schema)
     given = np.array([i.split for i in images]) if images[0].split >= 0 else None
-    parts = {}
-    for split, rows in split_rows(len(images), given, request, root).items():
-        picked = [images[row] for row in rows]
-        pixels = np.zeros((0, *shape), dtype=np.uint8) if not picked else np.stack(
-            [_decoded(image.path, shape) for image in picked])
-        labels = torch.tensor([image.label for image in picked], dtype=torch.int64)
-        parts[split] = (_normalised(pixels, schema), labels)
+    split = split_rows(len(images), given, request, root)
+    labels = np.array([image.label for image in images], dtype=np.int64)
+    budget = records_memory(request)
+    parts: dict[str, tuple[Inputs, torch.Tensor]]
+    if fits_in_memory(len(images), shape, budget):
+        parts = {name: (_records([images[row].path for row in rows], shape, schema),
+                        torch.from_numpy(labels[rows])) for name, rows in split.items()}
+    else:
+        reader = ImageRows([image.path for image in images], shape, schema, ByteCache(budget))
+        reader.check_all()
+        parts = lazy_parts(reader, labels, split, shape)
     return client_data(request.client_id, parts, root)
+
+
+class ImageRows:
+    """Records of an image folder decoded when they are read (a
+    :data:`~.records.RowReader`): row ``i`` is the image at ``paths[i]``, built exactly as
+    the in-memory records are (:func:`_records`). Decoded pixels (uint8, a quarter of the
+    float32 record) are kept in ``cache``, most recently used first."""
+
+    def __init__(self, paths: list[Path], shape: tuple[int, int, int], schema: Schema,
+                 cache: ByteCache) -> None:
+        self.paths, self.shape, self.schema, self.cache = paths, shape, schema, cache
+
+    def check_all(self) -> None:
+        """Decode every image once, in order, so one that does not decode is refused before
+        any training (the pixels are kept only as far as the cache holds them)."""
+        for row in range(len(self.paths)):
+            self._pixels(row)
+
+    def _pixels(self, row: int) -> np.ndarray:
+        pixels = self.cache.get(row)
+        if pixels is None:
+            pixels = _decoded(self.paths[row], self.shape)
+            self.cache.put(row, pixels)
+        return pixels
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        pixels = [self._pixels(int(row)) for row in rows]
+        return _normalised(_stacked(pixels, self.shape), self.schema).numpy()
+
+
+def _records(paths: list[Path], shape: tuple[int, int, int], schema: Schema
+             ) -> torch.Tensor:
+    """The images at ``paths`` as float32 records (n, C, H, W), built to the schema."""
+    return _normalised(_stacked([_decoded(path, shape) for path in paths], shape), schema)
+
+
+def _stacked(pixels: list[np.ndarray], shape: tuple[int, int, int]) -> np.ndarray:
+    return np.stack(pixels) if pixels else np.zeros((0, *shape), dtype=np.uint8)
 
 
 def _image_shape(schema: Schema, root: Path) -> tuple[int, int, int]:

@@ -11,7 +11,8 @@ in-memory float32 tensor it stands for in everything the training code asks of i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 import torch
@@ -22,6 +23,52 @@ RowReader = Callable[[np.ndarray], np.ndarray]
 
 #: How many records a pass over all of them reads at once (a chunk of 28x28 images: 12 MB).
 PASS_CHUNK = 4096
+
+#: A silo's ``records-memory`` unless it sets one (MiB): records whose float32 tensors fit in
+#: it are read into memory when the silo starts, larger ones are read when used.
+RECORDS_MEMORY_MIB = 1024
+
+
+def fits_in_memory(count: int, record_shape: tuple[int, ...], budget_bytes: int) -> bool:
+    """Whether ``count`` float32 records of ``record_shape`` take at most ``budget_bytes``."""
+    return count * int(np.prod(record_shape, dtype=np.int64)) * 4 <= budget_bytes
+
+
+class ByteCache:
+    """The most recently used arrays, at most ``capacity`` bytes of them together.
+
+    A lazily read source keeps what it decoded or converted here (an image's pixels, a
+    Parquet row group's records), so a pass in order or a record drawn again soon is not
+    read twice, while the memory it holds stays under the silo's ``records-memory``. An array
+    larger than the whole capacity is returned to its caller and not kept. ``peak`` is the
+    most the cache ever held (tests check the bound with it).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.bytes, self.peak = int(capacity), 0, 0
+        self._items: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Hashable) -> np.ndarray | None:
+        """The array kept under ``key`` (now the most recently used), or None."""
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: np.ndarray) -> None:
+        """Keep ``value`` under ``key``, dropping the least recently used arrays to fit."""
+        if key in self._items:
+            self.bytes -= self._items.pop(key).nbytes
+        if value.nbytes > self.capacity:
+            return
+        while self.bytes + value.nbytes > self.capacity:
+            self.bytes -= self._items.popitem(last=False)[1].nbytes
+        self._items[key] = value
+        self.bytes += value.nbytes
+        self.peak = max(self.peak, self.bytes)
 
 
 class FileRows:

@@ -31,8 +31,18 @@ missing label or split value is always refused.
 
 Every problem is one line naming the file and the column, never a record's value: a
 refusal's reason reaches the server. Batches of rows (a Parquet row group, a block of CSV)
-are converted one at a time by :func:`convert_batch`, so reading can later become lazy; for
-now the converted blocks are joined into in-memory tensors.
+are converted one at a time by :func:`convert_batch`.
+
+A table whose float32 records fit in the silo's ``records-memory`` is read into tensors when
+the silo starts. A larger table of Parquet files is read when used (:class:`ParquetRows`), a
+row group at a time: at start-up the silo converts every row group once, so the missing-values
+rule, the labels and the split column refuse exactly what they refuse in memory, and keeps only
+the labels and splits; a step then reads and converts the row groups holding its rows, the most
+recently used ones kept in a cache of at most ``records-memory`` bytes (a pass in order reads
+each group once). A CSV has no row groups to read on their own (finding a row means parsing
+every row before it), so a CSV table is always read into memory; when its records are larger
+than ``records-memory`` the silo's log says so and suggests Parquet. It is not refused: the
+setting is the silo's own conservative bound, and a silo that has the memory trains as before.
 """
 
 from __future__ import annotations
@@ -49,9 +59,10 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import torch
 
-from .assembly import class_labels, client_data, split_rows
+from .assembly import class_labels, client_data, lazy_parts, records_memory, split_rows
 from .partition import ClientData
 from .readers import DataError
+from .records import ByteCache, fits_in_memory
 from .schema import Feature, Schema
 from .sources import SPLITS, SourceRequest
 
@@ -74,24 +85,103 @@ class Block:
 
 def load_table(request: SourceRequest) -> ClientData:
     """The ``table`` data source: the table at the silo's ``data-path`` (module docstring),
-    its features as float32 tensors (n, feature width), its labels and its split."""
+    its features as float32 tensors (n, *input shape), its labels and its split: in memory,
+    or (Parquet larger than the silo's ``records-memory``) read when used."""
     schema, path = request.schema, request.path
     split_column = str(request.options.get("split-column") or "")
     ignored = {c.strip() for c in str(request.options.get("ignore-columns") or "").split(",")
                if c.strip()}
     columns = _used_columns(schema, split_column, path)
+    files = _table_files(path)
+    budget = records_memory(request)
+    if all(TABLE_SUFFIXES[f.suffix.lower()] == "parquet" for f in files):
+        opened = [_parquet(file, columns, len(schema.features), ignored) for file in files]
+        count = sum(parquet.metadata.num_rows for parquet in opened)
+        if count and not fits_in_memory(count, schema.input_shape, budget):
+            reader = ParquetRows(opened, files, schema, split_column, ByteCache(budget))
+            labels, given = reader.check_all()
+            parts = lazy_parts(reader, labels, split_rows(len(labels), given, request, path),
+                               schema.input_shape)
+            return client_data(request.client_id, parts, path)
     blocks = [convert_batch(batch, schema, split_column, file)
-              for file in _table_files(path)
+              for file in files
               for batch in _batches(file, columns, len(schema.features), ignored)]
     if not blocks or not sum(len(b.labels) for b in blocks):
         raise DataError(f"{path}: the table holds no records")
     features = np.concatenate([b.features for b in blocks]).reshape(-1, *schema.input_shape)
+    if features.nbytes > budget:
+        logger.warning("silo %s: %s: the table's records take %d MiB, more than its "
+                       "records-memory (%d MiB), and are read into memory: a CSV cannot be "
+                       "read when used; convert it to Parquet for records larger than memory",
+                       request.client_id, path, features.nbytes // 2**20, budget // 2**20)
     labels = np.concatenate([b.labels for b in blocks])
     given = np.concatenate([b.splits for b in blocks if b.splits is not None]) \
         if split_column else None
     parts = {split: (torch.from_numpy(features[rows]), torch.from_numpy(labels[rows]))
              for split, rows in split_rows(len(labels), given, request, path).items()}
     return client_data(request.client_id, parts, path)
+
+
+class ParquetRows:
+    """Records of Parquet files read a row group at a time (a :data:`~.records.RowReader`):
+    row ``i`` of the table is row ``i`` of the files one after the other. A request reads
+    each row group that holds some of its rows once, in order, converted by
+    :func:`convert_features`; converted groups stay in ``cache``, most recently used
+    first."""
+
+    def __init__(self, files: list[pq.ParquetFile], paths: list[Path], schema: Schema,
+                 split_column: str, cache: ByteCache) -> None:
+        self.files, self.paths, self.schema, self.cache = files, paths, schema, cache
+        self.split_column = split_column
+        self.groups = [(f, g) for f, parquet in enumerate(files)
+                       for g in range(parquet.num_row_groups)]
+        sizes = [files[f].metadata.row_group(g).num_rows for f, g in self.groups]
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+    def _read(self, group: int, columns: list[str]) -> pa.RecordBatch:
+        f, g = self.groups[group]
+        try:
+            table = self.files[f].read_row_group(g, columns=columns).combine_chunks()
+        except (pa.ArrowException, OSError) as exc:
+            raise _unreadable(self.paths[f], "parquet", exc) from None
+        batches = table.to_batches()
+        return batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist(
+            [], schema=table.schema)
+
+    def check_all(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Convert every row group once, in order (refusing what the in-memory reading
+        refuses); the labels (int64) and, with a split column, each row's split."""
+        features = [f.name for f in self.schema.features]
+        columns = features + [self.schema.label] + (
+            [self.split_column] if self.split_column else [])
+        labels: list[np.ndarray] = []
+        splits: list[np.ndarray] = []
+        for group, (f, _) in enumerate(self.groups):
+            block = convert_batch(self._read(group, columns), self.schema, self.split_column,
+                                  self.paths[f])
+            self.cache.put(group, block.features)
+            labels.append(block.labels)
+            if block.splits is not None:
+                splits.append(block.splits)
+        given = np.concatenate(splits) if self.split_column else None
+        return np.concatenate(labels), given
+
+    def _features(self, group: int) -> np.ndarray:
+        features = self.cache.get(group)
+        if features is None:
+            batch = self._read(group, [f.name for f in self.schema.features])
+            features = convert_features(batch, self.schema, self.paths[self.groups[group][0]])
+            self.cache.put(group, features)
+        return features
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        groups = np.searchsorted(self.starts, rows, side="right") - 1
+        block = np.empty((len(rows), self.schema.feature_width), dtype=np.float32)
+        for group in np.unique(groups):
+            picked = groups == group
+            block[picked] = self._features(int(group))[rows[picked] - self.starts[group]]
+        return block
 
 
 def _used_columns(schema: Schema, split_column: str, path: Path) -> list[str]:
@@ -128,6 +218,17 @@ def _table_files(path: Path) -> list[Path]:
     return files
 
 
+def _parquet(file: Path, columns: list[str], features: int, ignored: set[str]
+             ) -> pq.ParquetFile:
+    """``file`` opened as Parquet (its footer read), its columns checked."""
+    try:
+        parquet = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise _unreadable(file, "parquet", exc) from None
+    _check_columns(parquet.schema_arrow.names, columns, features, ignored, file)
+    return parquet
+
+
 def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
              ) -> Iterator[pa.RecordBatch]:
     """``file``'s rows, a batch at a time (a Parquet row group, a block of CSV), holding only
@@ -135,10 +236,10 @@ def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
     (parsed by :func:`convert_batch`, which can then name the column that holds something
     else)."""
     kind = TABLE_SUFFIXES[file.suffix.lower()]
+    if kind == "parquet":
+        parquet = _parquet(file, columns, features, ignored)
     try:
         if kind == "parquet":
-            parquet = pq.ParquetFile(file)
-            _check_columns(parquet.schema_arrow.names, columns, features, ignored, file)
             yield from parquet.iter_batches(columns=columns)
             return
         with pa_csv.open_csv(file) as header:  # reads the first block only
@@ -146,11 +247,15 @@ def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
         yield from pa_csv.open_csv(file, convert_options=pa_csv.ConvertOptions(
             include_columns=columns, column_types={c: pa.string() for c in columns}))
     except (pa.ArrowException, OSError) as exc:
-        # pyarrow's text may quote a row of the file: it stays in the silo's own log
-        logger.warning("%s: %s", file, exc)
-        raise DataError(f"{file}: not readable as {kind.upper() if kind == 'csv' else 'Parquet'}"
-                        f" ({type(exc).__name__}; the silo's log has pyarrow's message)"
-                        ) from None
+        raise _unreadable(file, kind, exc) from None
+
+
+def _unreadable(file: Path, kind: str, exc: Exception) -> DataError:
+    """The refusal of a file pyarrow cannot read; pyarrow's text may quote a row of the file,
+    so it stays in the silo's own log."""
+    logger.warning("%s: %s", file, exc)
+    return DataError(f"{file}: not readable as {kind.upper() if kind == 'csv' else 'Parquet'}"
+                     f" ({type(exc).__name__}; the silo's log has pyarrow's message)")
 
 
 def _check_columns(names: list[str], columns: list[str], features: int, ignored: set[str],
@@ -181,6 +286,15 @@ def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file
                   ) -> Block:
     """One batch of ``file``'s rows built to the schema (module docstring): the features in
     the schema's order, the labels and (with a split column) each row's split."""
+    features = convert_features(batch, schema, file)
+    labels = _labels(batch.column(schema.label), schema, file)
+    splits = _splits(batch.column(split_column), split_column, file) if split_column else None
+    return Block(features, labels, splits)
+
+
+def convert_features(batch: pa.RecordBatch, schema: Schema, file: Path) -> np.ndarray:
+    """The features of a batch of ``file``'s rows, float32 (rows, feature width), in the
+    schema's order (module docstring)."""
     features = np.empty((batch.num_rows, schema.feature_width), dtype=np.float32)
     start = 0
     for feature in schema.features:
@@ -189,9 +303,7 @@ def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file
                  else _category(column, feature, schema.missing, file))
         features[:, start:start + feature.width] = block
         start += feature.width
-    labels = _labels(batch.column(schema.label), schema, file)
-    splits = _splits(batch.column(split_column), split_column, file) if split_column else None
-    return Block(features, labels, splits)
+    return features
 
 
 def _text(column: pa.Array, name: str, file: Path) -> pa.Array:
