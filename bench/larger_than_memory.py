@@ -12,10 +12,11 @@ pass, chunk by chunk), a Poisson round and a test evaluation, exactly the calls 
 makes. Reported: the data size against the cap, the cgroup's peak usage and the process's peak
 resident set, whether the kernel killed it (OOM), and the wall time of each phase.
 
-A Poisson step over Parquet reads every row group holding one of its records (with b = 1024
-and a few hundred groups, nearly all of them), so the Parquet round is
-``PARQUET_POISSON_STEPS`` Poisson steps over as many batches of training records spread over
-the whole file.
+The table source spools a table larger than its records-memory to the silo's disk as float32
+records when it starts (the conversion pass), and a step reads its records from the spool. The
+Parquet records are many small ones (a full Poisson epoch at b = 1024 is 1,670 steps), so its
+Poisson round is timed over ``PARQUET_POISSON_STEPS`` steps of records drawn over the whole
+file.
 
 A control run reads the same records into memory (``np.load`` without memory-mapping; for
 Parquet, a ``records-memory`` larger than the records) under the same cap, and must be killed:
@@ -53,7 +54,7 @@ PARQUET_SHAPE = (1, 28, 28)
 PARQUET_GROUP_ROWS = 8192  # 24.5 MiB a row group
 #: The lazily read silo's records-memory (its cache of converted row groups): cap / 8.
 PARQUET_CACHE_SHARE = 8
-PARQUET_POISSON_STEPS = 2
+PARQUET_POISSON_STEPS = 20
 PARQUET_FILE = "records.parquet"
 
 
@@ -153,7 +154,8 @@ def silo_child(directory: Path, in_memory: bool, source: str = "npy", records_mi
     else:
         model = nn.Sequential(nn.Conv2d(1, 8, 4, stride=4), nn.GroupNorm(2, 8), nn.ReLU(),
                               nn.Flatten(), nn.Linear(8 * 7 * 7, 10))
-        spread = np.linspace(0, data.num_train - 1, PARQUET_POISSON_STEPS * BATCH).astype(int)
+        spread = np.sort(np.random.default_rng(0).choice(
+            data.num_train, PARQUET_POISSON_STEPS * BATCH, replace=False))
         poisson = (f"round 2, {PARQUET_POISSON_STEPS} Poisson steps b={BATCH} (s)",
                    data.x_train.subset(spread), data.y_train[spread])
     for name, batch, round_number, x, y in (

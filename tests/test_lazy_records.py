@@ -66,7 +66,7 @@ def test_file_rows_read_exactly_the_rows_asked_in_any_order(tmp_path):
 
     x = np.random.default_rng(0).normal(size=(50, 2, 3))  # float64 on disk
     np.save(tmp_path / "x.npy", x)
-    rows = FileRows(np.load(tmp_path / "x.npy", mmap_mode="r"))
+    rows = FileRows.of_npy(np.load(tmp_path / "x.npy", mmap_mode="r"))
     for picks in ([7, 3, 3, 4, 5, 0], list(range(50)), [49], [], [10, 9, 8, 30, 31, 32, 1]):
         got = rows(np.array(picks, dtype=np.int64))
         assert got.dtype == np.float64 and np.array_equal(got, x[picks])

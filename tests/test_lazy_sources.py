@@ -4,7 +4,8 @@ DP-SGD round, a cache that stays within its bound, and the same refusals at star
 
 from __future__ import annotations
 
-import logging
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,10 @@ from torch import nn
 from dpcfl_flwr.data import DataError
 from dpcfl_flwr.data.image_folder import ImageRows, load_image_folder
 from dpcfl_flwr.data.partition import ClientData
-from dpcfl_flwr.data.records import LazyRecords, in_memory
+from dpcfl_flwr.data.records import FileRows, LazyRecords, in_memory
 from dpcfl_flwr.data.schema import Schema, parse_features
 from dpcfl_flwr.data.sources import SPLITS, SourceRequest
-from dpcfl_flwr.data.table import ParquetRows, load_table
+from dpcfl_flwr.data.table import load_table
 from dpcfl_flwr.dpsgd.training import DPSGDConfig, evaluation_sums, train_dp
 
 #: RGB images of 3 x 64 x 64: 36 of them are 1.7 MiB as float32 records (0.4 MiB of pixels).
@@ -155,29 +156,29 @@ def test_a_seeded_dp_sgd_round_on_records_read_when_used_equals_in_memory(tmp_pa
         evaluation_sums(models[1], eager.x_test, eager.y_test, batch_size=50)
 
 
-def test_the_row_group_cache_stays_within_records_memory_and_a_pass_reads_each_group_once(
+def test_a_table_larger_than_records_memory_is_spooled_and_a_step_reads_only_its_records(
         tmp_path, monkeypatch):
+    """Past records-memory a table's converted records go to a spool on the silo's disk (no
+    file left in its directory) and a Poisson step reads exactly its records from it."""
     path = _table(tmp_path / "t.parquet", row_group_size=320)
+    spools = tmp_path / "spools"
+    spools.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spools))
     data = load_table(_request(path, TABLE, 1))
     reader = data.x_train._read
-    assert isinstance(reader, ParquetRows)
-    reads: list[int] = []
-    original = ParquetRows._read
+    assert isinstance(reader, FileRows) and reader.row_shape == TABLE.input_shape
+    assert list(spools.iterdir()) == []  # unlinked when made
+    read: list[int] = []
+    original = os.preadv
 
-    def counted(self: ParquetRows, group: int, columns: list[str]) -> pa.RecordBatch:
-        reads.append(group)
-        return original(self, group, columns)
+    def counted(descriptor, buffers, offset):
+        read.append(sum(len(b) for b in buffers))
+        return original(descriptor, buffers, offset)
 
-    monkeypatch.setattr(ParquetRows, "_read", counted)
-    reader.cache.__init__(reader.cache.capacity)  # empty, so the pass reads every group
-    for _ in data.x_train.chunks(size=3_000):
-        assert reader.cache.bytes <= reader.cache.capacity == 2**20
-    assert sorted(reads) == reads == sorted(set(reads)) == list(range(25))
-    assert reader.cache.peak <= 2**20 and len(reader.cache) < 25  # it did drop groups
-    reads.clear()
+    monkeypatch.setattr(os, "preadv", counted)
     mask = torch.rand(len(data.x_train), generator=torch.Generator().manual_seed(0)) < 0.01
-    data.x_train[mask]  # a Poisson step reads each group it touches once
-    assert len(reads) == len(set(reads))
+    picked = data.x_train[mask]
+    assert sum(read) == picked.numel() * 4  # the step's records, not their row groups
 
 
 def test_the_image_cache_stays_within_records_memory_during_a_pass(tmp_path):
@@ -218,16 +219,10 @@ def test_a_missing_value_refused_in_memory_is_refused_at_start_up_when_read_lazi
                                     "or NaN) and the schema's missing-values rule is refuse")
 
 
-def test_a_csv_larger_than_records_memory_is_read_into_memory_with_a_warning(tmp_path,
-                                                                             caplog):
-    path = _table(tmp_path / "t.csv", row_group_size=0)
-    with caplog.at_level(logging.WARNING, logger="dpcfl_flwr.data.table"):
-        data = load_table(_request(path, TABLE, 1))
-    assert isinstance(data.x_train, torch.Tensor)
-    warning = " ".join(r.getMessage() for r in caplog.records)
-    assert "silo 1" in warning and "more than its records-memory (1 MiB)" in warning
-    assert "convert it to Parquet for records larger than memory" in warning
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dpcfl_flwr.data.table"):
-        load_table(_request(path, TABLE, 2))
-    assert not caplog.records
+def test_a_csv_larger_than_records_memory_is_read_when_used_like_parquet(tmp_path):
+    csv = load_table(_request(_table(tmp_path / "t.csv", row_group_size=0), TABLE, 1))
+    parquet = load_table(_request(_table(tmp_path / "t.parquet", row_group_size=320), TABLE, 1))
+    assert isinstance(csv.x_train, LazyRecords) and isinstance(parquet.x_train, LazyRecords)
+    for split in ("train", "val", "test"):
+        assert torch.equal(getattr(csv, f"x_{split}")[:], getattr(parquet, f"x_{split}")[:])
+        assert torch.equal(getattr(csv, f"y_{split}"), getattr(parquet, f"y_{split}"))

@@ -108,7 +108,7 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: labels y must be integers, got {y.dtype}")
         chosen = np.arange(len(y)) if rows is None else rows
-        reader = (FileRows(x) if isinstance(x, np.memmap) and x.flags.c_contiguous
+        reader = (FileRows.of_npy(x) if isinstance(x, np.memmap) and x.flags.c_contiguous
                   else None)
         records = LazyRecords(reader or x.__getitem__, chosen, tuple(x.shape[1:]))
         if not all(bool(torch.isfinite(chunk).all()) for chunk in records.chunks()):

@@ -11,8 +11,10 @@ in-memory float32 tensor it stands for in everything the training code asks of i
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -72,29 +74,42 @@ class ByteCache:
 
 
 class FileRows:
-    """Rows of a C-ordered ``.npy`` file read with positioned reads (``os.preadv``), exactly the
-    bytes of the rows asked for: consecutive rows in one read, so a pass in order is a few
+    """Rows of float records in a file, read with positioned reads (``os.preadv``): exactly the
+    bytes of the rows asked for, consecutive rows in one read, so a pass in order is a few
     large reads and a Poisson batch one small read a record.
 
-    Why not index the memory map: a page fault on a mapped file reads around it (the device's
+    Why not index a memory map: a page fault on a mapped file reads around it (the device's
     read-ahead, 8 MiB on this machine's disk) whatever the access pattern, so a Poisson batch
     of 1,024 records of 48 KiB read 8 GiB, and a step took seconds once the records no longer
     fit in memory (bench/RESULTS.md). Reads through a descriptor advised as random read no
     more than they are asked.
+
+    ``source``: a path, or an open file the reader keeps (a spool, :func:`spool`);
+    ``offset``: bytes before row 0; ``rows``: how many rows the file holds.
     """
 
-    def __init__(self, array: np.memmap) -> None:
+    def __init__(self, source: str | BinaryIO, offset: int, dtype: np.dtype,
+                 row_shape: tuple[int, ...], rows: int) -> None:
+        self.source, self.offset, self.dtype = source, int(offset), np.dtype(dtype)
+        self.row_shape, self.rows = tuple(row_shape), int(rows)
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.path = source if isinstance(source, str) else "the silo's spool of records"
+        self._descriptor: int | None = None
+        if not isinstance(source, str):
+            self._descriptor = source.fileno()
+            os.posix_fadvise(self._descriptor, 0, 0, os.POSIX_FADV_RANDOM)
+
+    @classmethod
+    def of_npy(cls, array: np.memmap) -> FileRows:
+        """The rows of a memory-mapped, C-ordered ``.npy`` array, read from its file."""
         if not array.flags.c_contiguous or array.filename is None:
             raise ValueError("FileRows reads C-ordered arrays of a file")
-        self.path, self.offset = str(array.filename), int(array.offset)
-        self.dtype, self.row_shape = array.dtype, tuple(array.shape[1:])
-        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * array.dtype.itemsize
-        self.rows = int(array.shape[0])
-        self._descriptor: int | None = None
+        return cls(str(array.filename), array.offset, array.dtype, tuple(array.shape[1:]),
+                   array.shape[0])
 
     def _file(self) -> int:
         if self._descriptor is None:
-            self._descriptor = os.open(self.path, os.O_RDONLY)
+            self._descriptor = os.open(str(self.source), os.O_RDONLY)
             os.posix_fadvise(self._descriptor, 0, 0, os.POSIX_FADV_RANDOM)
         return self._descriptor
 
@@ -108,24 +123,47 @@ class FileRows:
         ordered = rows[order]
         block = np.empty((len(rows), *self.row_shape), dtype=self.dtype)
         runs = np.flatnonzero(np.diff(ordered) != 1) + 1
+        descriptor = self._file()
         for start, stop in zip(np.r_[0, runs], np.r_[runs, len(rows)], strict=True):
-            self._read_into(block[start:stop], int(ordered[start]))
+            self._read_into(descriptor, block[start:stop], int(ordered[start]))
         result = np.empty_like(block)
         result[order] = block
         return result
 
-    def _read_into(self, target: np.ndarray, first_row: int) -> None:
+    def _read_into(self, descriptor: int, target: np.ndarray, first_row: int) -> None:
         view = target.reshape(-1).view(np.uint8).data  # writes through to ``target``
         position = self.offset + first_row * self.row_bytes
         while len(view):
-            count = os.preadv(self._file(), [view], position)
+            count = os.preadv(descriptor, [view], position)
             if count == 0:
                 raise OSError(f"{self.path}: the file ended before its rows")
             view, position = view[count:], position + count
 
     def __del__(self) -> None:
-        if self._descriptor is not None:
+        if isinstance(self.source, str) and self._descriptor is not None:
             os.close(self._descriptor)
+
+
+class Spool:
+    """Records built once and kept on the silo's own disk for reading when used: a temporary
+    file, unlinked when made (nothing is left behind, whatever ends the process), of float32
+    rows of ``row_shape`` appended block by block. For records that cannot be read at random
+    where they are (a Parquet row group or a CSV block holds thousands of them), so a Poisson
+    step reads its records and nothing else."""
+
+    def __init__(self, row_shape: tuple[int, ...], directory: str | None = None) -> None:
+        self.row_shape, self.rows = tuple(row_shape), 0
+        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - kept open: read later
+
+    def append(self, block: np.ndarray) -> None:
+        """Add rows (float32, (n, *row_shape) or flattened alike) at the end."""
+        self._file.write(np.ascontiguousarray(block, dtype=np.float32).tobytes())
+        self.rows += len(block)
+
+    def reader(self) -> FileRows:
+        """The spooled rows (a :data:`RowReader`), once every block is appended."""
+        self._file.flush()
+        return FileRows(self._file, 0, np.dtype(np.float32), self.row_shape, self.rows)
 
 
 class LazyRecords:

@@ -34,15 +34,12 @@ refusal's reason reaches the server. Batches of rows (a Parquet row group, a blo
 are converted one at a time by :func:`convert_batch`.
 
 A table whose float32 records fit in the silo's ``records-memory`` is read into tensors when
-the silo starts. A larger table of Parquet files is read when used (:class:`ParquetRows`), a
-row group at a time: at start-up the silo converts every row group once, so the missing-values
-rule, the labels and the split column refuse exactly what they refuse in memory, and keeps only
-the labels and splits; a step then reads and converts the row groups holding its rows, the most
-recently used ones kept in a cache of at most ``records-memory`` bytes (a pass in order reads
-each group once). A CSV has no row groups to read on their own (finding a row means parsing
-every row before it), so a CSV table is always read into memory; when its records are larger
-than ``records-memory`` the silo's log says so and suggests Parquet. It is not refused: the
-setting is the silo's own conservative bound, and a silo that has the memory trains as before.
+the silo starts. A larger one, CSV or Parquet, is converted once, batch by batch, into a spool
+of float32 records on the silo's own disk (:class:`~.records.Spool`: a temporary file removed
+whatever ends the process) and read when used, a step reading just its records: a row group
+or a CSV block holds thousands of records, so reading the table itself at random would read
+whole groups for every record a Poisson batch draws (a step over 5 GiB of Parquet read it all).
+The one conversion refuses exactly what the in-memory reading refuses, before any training.
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ import torch
 from .assembly import class_labels, client_data, lazy_parts, records_memory, split_rows
 from .partition import ClientData
 from .readers import DataError
-from .records import ByteCache, fits_in_memory
+from .records import Spool
 from .schema import Feature, Schema
 from .sources import SPLITS, SourceRequest
 
@@ -94,94 +91,38 @@ def load_table(request: SourceRequest) -> ClientData:
     columns = _used_columns(schema, split_column, path)
     files = _table_files(path)
     budget = records_memory(request)
-    if all(TABLE_SUFFIXES[f.suffix.lower()] == "parquet" for f in files):
-        opened = [_parquet(file, columns, len(schema.features), ignored) for file in files]
-        count = sum(parquet.metadata.num_rows for parquet in opened)
-        if count and not fits_in_memory(count, schema.input_shape, budget):
-            reader = ParquetRows(opened, files, schema, split_column, ByteCache(budget))
-            labels, given = reader.check_all()
-            parts = lazy_parts(reader, labels, split_rows(len(labels), given, request, path),
-                               schema.input_shape)
-            return client_data(request.client_id, parts, path)
-    blocks = [convert_batch(batch, schema, split_column, file)
-              for file in files
-              for batch in _batches(file, columns, len(schema.features), ignored)]
-    if not blocks or not sum(len(b.labels) for b in blocks):
-        raise DataError(f"{path}: the table holds no records")
-    features = np.concatenate([b.features for b in blocks]).reshape(-1, *schema.input_shape)
-    if features.nbytes > budget:
-        logger.warning("silo %s: %s: the table's records take %d MiB, more than its "
-                       "records-memory (%d MiB), and are read into memory: a CSV cannot be "
-                       "read when used; convert it to Parquet for records larger than memory",
-                       request.client_id, path, features.nbytes // 2**20, budget // 2**20)
-    labels = np.concatenate([b.labels for b in blocks])
-    given = np.concatenate([b.splits for b in blocks if b.splits is not None]) \
-        if split_column else None
-    parts = {split: (torch.from_numpy(features[rows]), torch.from_numpy(labels[rows]))
-             for split, rows in split_rows(len(labels), given, request, path).items()}
-    return client_data(request.client_id, parts, path)
-
-
-class ParquetRows:
-    """Records of Parquet files read a row group at a time (a :data:`~.records.RowReader`):
-    row ``i`` of the table is row ``i`` of the files one after the other. A request reads
-    each row group that holds some of its rows once, in order, converted by
-    :func:`convert_features`; converted groups stay in ``cache``, most recently used
-    first."""
-
-    def __init__(self, files: list[pq.ParquetFile], paths: list[Path], schema: Schema,
-                 split_column: str, cache: ByteCache) -> None:
-        self.files, self.paths, self.schema, self.cache = files, paths, schema, cache
-        self.split_column = split_column
-        self.groups = [(f, g) for f, parquet in enumerate(files)
-                       for g in range(parquet.num_row_groups)]
-        sizes = [files[f].metadata.row_group(g).num_rows for f, g in self.groups]
-        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-
-    def _read(self, group: int, columns: list[str]) -> pa.RecordBatch:
-        f, g = self.groups[group]
-        try:
-            table = self.files[f].read_row_group(g, columns=columns).combine_chunks()
-        except (pa.ArrowException, OSError) as exc:
-            raise _unreadable(self.paths[f], "parquet", exc) from None
-        batches = table.to_batches()
-        return batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist(
-            [], schema=table.schema)
-
-    def check_all(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Convert every row group once, in order (refusing what the in-memory reading
-        refuses); the labels (int64) and, with a split column, each row's split."""
-        features = [f.name for f in self.schema.features]
-        columns = features + [self.schema.label] + (
-            [self.split_column] if self.split_column else [])
-        labels: list[np.ndarray] = []
-        splits: list[np.ndarray] = []
-        for group, (f, _) in enumerate(self.groups):
-            block = convert_batch(self._read(group, columns), self.schema, self.split_column,
-                                  self.paths[f])
-            self.cache.put(group, block.features)
+    features: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    splits: list[np.ndarray] = []
+    held, spool = 0, None
+    for file in files:
+        for batch in _batches(file, columns, len(schema.features), ignored):
+            block = convert_batch(batch, schema, split_column, file)
             labels.append(block.labels)
             if block.splits is not None:
                 splits.append(block.splits)
-        given = np.concatenate(splits) if self.split_column else None
-        return np.concatenate(labels), given
-
-    def _features(self, group: int) -> np.ndarray:
-        features = self.cache.get(group)
-        if features is None:
-            batch = self._read(group, [f.name for f in self.schema.features])
-            features = convert_features(batch, self.schema, self.paths[self.groups[group][0]])
-            self.cache.put(group, features)
-        return features
-
-    def __call__(self, rows: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.int64)
-        groups = np.searchsorted(self.starts, rows, side="right") - 1
-        block = np.empty((len(rows), self.schema.feature_width), dtype=np.float32)
-        for group in np.unique(groups):
-            picked = groups == group
-            block[picked] = self._features(int(group))[rows[picked] - self.starts[group]]
-        return block
+            if spool is None and held + block.features.nbytes > budget:
+                spool = Spool(schema.input_shape)  # larger than memory: kept on disk
+                for kept in features:
+                    spool.append(kept)
+                features.clear()
+            if spool is None:
+                features.append(block.features)
+                held += block.features.nbytes
+            else:
+                spool.append(block.features)
+    if not labels or not sum(len(b) for b in labels):
+        raise DataError(f"{path}: the table holds no records")
+    label = np.concatenate(labels)
+    given = np.concatenate(splits) if split_column else None
+    split = split_rows(len(label), given, request, path)
+    if spool is not None:
+        return client_data(request.client_id,
+                           lazy_parts(spool.reader(), label, split, schema.input_shape), path)
+    inputs = np.concatenate(features).reshape(-1, *schema.input_shape)
+    parts = {name: (torch.from_numpy(inputs[rows]), torch.from_numpy(label[rows]))
+             for name, rows in split.items()}
+    return client_data(request.client_id, parts, path)
 
 
 def _used_columns(schema: Schema, split_column: str, path: Path) -> list[str]:
