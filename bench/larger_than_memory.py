@@ -263,7 +263,9 @@ def main() -> None:
             f"(b = {BATCH}) and a test evaluation. Control: the same silo reading its "
             "records whole first.\n\n"
             f"| figure | read when used | read whole (control) |\n|---|---|---|\n{rows}\n")
-    publish("A silo's records larger than its memory", body, append=not args.no_append)
+    stored = ".npy" if args.source == "npy" else "Parquet"
+    publish(f"A silo's records larger than its memory ({stored})", body,
+            append=not args.no_append)
 
 
 def _show(value: object) -> str:

@@ -65,6 +65,10 @@ from .sources import SPLITS, SourceRequest
 
 logger = logging.getLogger(__name__)
 
+#: Bytes of float64 values one batch of a Parquet table converts at once (a CSV is read in
+#: blocks of 1 MiB of text): what converting a table adds to a silo's memory.
+BATCH_BYTES = 32 * 2**20
+
 #: File name endings read as tables (compared in lower case), and their format.
 TABLE_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -180,8 +184,9 @@ def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
     if kind == "parquet":
         parquet = _parquet(file, columns, features, ignored)
     try:
-        if kind == "parquet":
-            yield from parquet.iter_batches(columns=columns)
+        if kind == "parquet":  # batches small enough to convert within bounded memory
+            rows = max(64, BATCH_BYTES // (8 * len(columns)))
+            yield from parquet.iter_batches(batch_size=rows, columns=columns)
             return
         with pa_csv.open_csv(file) as header:  # reads the first block only
             _check_columns(header.schema.names, columns, features, ignored, file)
