@@ -203,7 +203,8 @@ def main() -> None:
                  "non-private SGD step alternating, after 50 warm-up pairs):\n\n"
                  "| model | steps | non-private (s) | ours (s) | ours / non-private throughput |"
                  "\n|---|---|---|---|---|\n" + "\n".join(paired))
-    publish("DP-SGD throughput", body, append=not args.no_append)
+    title = "DP-SGD throughput" if args.model == "both" else f"DP-SGD throughput ({args.model})"
+    publish(title, body, append=not args.no_append)
 
 
 if __name__ == "__main__":
