@@ -144,6 +144,10 @@ class FileRows:
             os.close(self._descriptor)
 
 
+#: Bytes a spool writes between two flushes to disk (:meth:`Spool.append`).
+SPOOL_SYNC_BYTES = 64 * 2**20
+
+
 class Spool:
     """Records built once and kept on the silo's own disk for reading when used: a temporary
     file, unlinked when made (nothing is left behind, whatever ends the process), of float32
@@ -152,17 +156,29 @@ class Spool:
     step reads its records and nothing else."""
 
     def __init__(self, row_shape: tuple[int, ...], directory: str | None = None) -> None:
-        self.row_shape, self.rows = tuple(row_shape), 0
+        self.row_shape, self.rows, self._unsynced = tuple(row_shape), 0, 0
         self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - kept open: read later
 
     def append(self, block: np.ndarray) -> None:
-        """Add rows (float32, (n, *row_shape) or flattened alike) at the end."""
+        """Add rows (float32, (n, *row_shape) or flattened alike) at the end. Every
+        :data:`SPOOL_SYNC_BYTES` written are flushed to disk and dropped from the page cache:
+        written pages stay dirty until the kernel writes them back, and under a memory cap
+        (a container's cgroup) dirty pages it cannot reclaim fast enough get the silo killed."""
         self._file.write(np.ascontiguousarray(block, dtype=np.float32).tobytes())
         self.rows += len(block)
+        self._unsynced += block.size * 4
+        if self._unsynced >= SPOOL_SYNC_BYTES:
+            self._settle()
+
+    def _settle(self) -> None:
+        self._file.flush()
+        os.fdatasync(self._file.fileno())
+        os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self._unsynced = 0
 
     def reader(self) -> FileRows:
         """The spooled rows (a :data:`RowReader`), once every block is appended."""
-        self._file.flush()
+        self._settle()
         return FileRows(self._file, 0, np.dtype(np.float32), self.row_shape, self.rows)
 
 
