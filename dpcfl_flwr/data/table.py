@@ -184,9 +184,11 @@ def _batches(file: Path, columns: list[str], features: int, ignored: set[str]
     if kind == "parquet":
         parquet = _parquet(file, columns, features, ignored)
     try:
-        if kind == "parquet":  # batches small enough to convert within bounded memory
+        if kind == "parquet":  # a row group at a time, in batches of bounded memory
             rows = max(64, BATCH_BYTES // (8 * len(columns)))
-            yield from parquet.iter_batches(batch_size=rows, columns=columns)
+            for group in range(parquet.num_row_groups):  # (iter_batches kept every batch
+                table = parquet.read_row_group(group, columns=columns)  # it had decoded)
+                yield from table.to_batches(max_chunksize=rows)
             return
         with pa_csv.open_csv(file) as header:  # reads the first block only
             _check_columns(header.schema.names, columns, features, ignored, file)
