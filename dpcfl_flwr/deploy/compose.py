@@ -209,7 +209,7 @@ services:
     <<: *app
     command:
 {_list(["dpcfl", "certs", "--out", "/certs", "--san", "superlink", "--san", "localhost",
-        "--nodes", str(keys), "--keep"], 6)}
+        "--san", "127.0.0.1", "--nodes", str(keys), "--keep"], 6)}
     volumes:
       - certs:/certs
 
