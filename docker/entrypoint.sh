@@ -13,8 +13,9 @@ if [ -d /results ] && ! setpriv --reuid="$user" --regid="$user" --init-groups te
   if [ -z "$(ls -A /results)" ]; then
     chown "$user:$user" /results
   else
-    echo "dpcfl: /results ($(stat -c '%U:%G %a' /results) here) is not writable by uid" \
-      "$(id -u "$user") and holds files: chown 10001 it on the host, or mount an empty directory" >&2
+    echo "dpcfl: /results (owner $(stat -c '%u:%g, mode %a' /results)) is not writable by" \
+      "uid $(id -u "$user") and holds files: mount an empty directory, or run" \
+      "'chown $(id -u "$user") DIR' on the host" >&2
     exit 2
   fi
 fi

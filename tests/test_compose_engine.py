@@ -179,7 +179,8 @@ def image(engine) -> str:
         _docker(engine, "build", "--network", "host", "-f", str(REPO / "docker/Dockerfile"),
                 "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", f"PIP_INDEX_URL={url}",
                 "--build-arg", f"TORCH_INDEX={url}", "-t", IMAGE, str(REPO), timeout=1800)
-    print(f"image built in {time.monotonic() - started:.0f} s")
+    size = int(_docker(engine, "image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
+    print(f"image built in {time.monotonic() - started:.0f} s, {size / 1e9:.2f} GB")
     return IMAGE
 
 
@@ -211,6 +212,8 @@ class _MemorySampler(threading.Thread):
                             "{{.Name}} {{.MemUsage}}", timeout=60, check=False).stdout
             for line in stats.splitlines():
                 name, used = line.split()[:2]
+                if name == "--":  # a container between start and stop has no figures yet
+                    continue
                 self.peak[name] = max(self.peak.get(name, 0.0), _mib(used))
 
 
