@@ -179,6 +179,7 @@ def image(engine) -> str:
         _docker(engine, "build", "--network", "host", "-f", str(REPO / "docker/Dockerfile"),
                 "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", f"PIP_INDEX_URL={url}",
                 "--build-arg", f"TORCH_INDEX={url}", "-t", IMAGE, str(REPO), timeout=1800)
+    _docker(engine, "image", "prune", "--force")  # earlier builds' images: a bounded cache
     size = int(_docker(engine, "image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
     print(f"image built in {time.monotonic() - started:.0f} s, {size / 1e9:.2f} GB")
     return IMAGE
