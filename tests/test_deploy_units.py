@@ -262,7 +262,7 @@ def test_a_silo_keeps_its_open_session_in_the_flower_home_per_superlink_and_key(
 
 
 def test_a_silo_key_that_is_not_one_is_refused_before_the_superlink_starts(tmp_path):
-    paths = make_certificates(tmp_path, ["localhost"], ["silo-00"])
+    paths = make_certificates(tmp_path, ["localhost", "127.0.0.1"], ["silo-00"])
     bad = tmp_path / "bad.pub"
     bad.write_text("ecdsa-sha2-nistp256 AAAAnotakey silo-99\n")
     settings = ServerSettings(certs=tmp_path, register=[paths.nodes["silo-00"][1], bad,
