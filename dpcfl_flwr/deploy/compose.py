@@ -27,6 +27,10 @@ IMAGE = "dpcfl-flwr:0.1.0"
 GPU_IMAGE = "dpcfl-flwr:0.1.0-cuda"
 FLEET_PORT = 9092
 API_PORT = 8000
+#: The SuperLink's health check: made once its silo keys are registered. It lives in the kept
+#: state volume, so the container removes it before anything else: a ready file left by the
+#: previous start made a restarted stack "healthy" before its SuperLink listened.
+READY = "/state/ready"
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def compose_yaml(options: ComposeOptions) -> str:
     register = [f"/certs/nodes/{silo_name(i)}.pub" for i in range(keys)]
     server_command = ["dpcfl", "server", "--certs", "/certs", "--fleet-address",
                       f"0.0.0.0:{FLEET_PORT}", "--api-address", f"0.0.0.0:{API_PORT}",
-                      "--state", "/state", "--ready-file", "/state/ready"]
+                      "--state", "/state", "--ready-file", READY]
     for key in register:
         server_command += ["--register", key]
     # Made (or checked, when kept) by the SuperLink's container before it starts, not by a
@@ -219,7 +223,8 @@ services:
   superlink:
     <<: *app
     command:
-{_list(["sh", "-c", f"{shlex.join(certs_command)} && exec {shlex.join(server_command)}"], 6)}
+{_list(["sh", "-c", f"rm -f {READY} && {shlex.join(certs_command)} && exec "
+                     f"{shlex.join(server_command)}"], 6)}
     ports:
       - "{FLEET_PORT}:{FLEET_PORT}"
       - "{API_PORT}:{API_PORT}"
@@ -228,7 +233,7 @@ services:
       - superlink-state:/state
       - ./results:/results
     healthcheck:
-      test: ["CMD", "test", "-f", "/state/ready"]
+      test: ["CMD", "test", "-f", "{READY}"]
       interval: 2s
       retries: 90
 ''']
