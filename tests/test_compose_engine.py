@@ -267,7 +267,7 @@ def test_docker_compose_up_runs_the_laptop_profile_to_its_end_on_a_real_engine(
     print(f"docker compose up, laptop profile, {SMALL_RUN}: {took:.0f} s; peak memory (MiB): "
           + ", ".join(f"{name.removeprefix(PROJECT + '-')} {mib:.0f}"
                       for name, mib in sorted(sampler.peak.items())))
-    results = json.loads((project / "results/laptop-run/results.json").read_text())
+    results = json.loads((project / "results/compose/laptop-run/results.json").read_text())
     assert results["complete"], results["summary"]
     assert results["summary"]["silos_evaluated"] == SILOS, results["summary"]
     for client in results["clients"]:

@@ -4,7 +4,7 @@ Services (one image for all of them, ``docker/Dockerfile``):
 - ``superlink``: first ``dpcfl certs --keep`` (the CA, the SuperLink certificate and one node
   key per silo into the ``certs`` volume, once; later starts keep them and fix a certificate
   that lacks a name), then ``dpcfl server`` with TLS and node authentication, which registers
-  every silo key; its ServerApp processes write the results to ``./results``;
+  every silo key; its ServerApp processes write the results to ``./results/compose``;
 - ``silo-NN``: ``dpcfl client`` per silo of the topology, each with its own silo file (budget,
   ledger and data split of its own), node key and ledger volume (its budget survives container
   restarts);
@@ -193,8 +193,8 @@ def compose_yaml(options: ComposeOptions) -> str:
 #   docker compose --profile laptop up --exit-code-from laptop-serverapp
 #                                       # {small.num_clients} silos {{{small}}}
 # --exit-code-from ends the stack when its run ends, with the run's exit code. Results appear
-# in ./results/<profile>-run (-2, -3, ... for later runs); each silo's ledger lives in its own
-# volume.
+# in ./results/compose/<profile>-run (-2, -3, ... for later runs); each silo's ledger lives in
+# its own volume.
 # The project name and default profile come from .env (COMPOSE_PROJECT_NAME, COMPOSE_PROFILES).
 
 x-app: &app
@@ -231,7 +231,7 @@ services:
     volumes:
       - certs:/certs
       - superlink-state:/state
-      - ./results:/results
+      - ./results/compose:/results  # a directory of its own: `make demo` writes to ./results
     healthcheck:
       test: ["CMD", "test", "-f", "{READY}"]
       interval: 2s
