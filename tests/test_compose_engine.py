@@ -11,9 +11,11 @@ the structure found) and every silo's ledger in its volume (charged, within its 
 
 What it keeps between runs, in ``$DPCFL_DOCKER_CACHE`` (default ``/var/cache/dpcfl-docker``): the
 engine's data root (images and build layers), the base image's tarball, the wheels of the local
-index and the Compose v2 plug-in. Cost on 2 cores: ~4 minutes with that cache warm, ~13 on a
-fresh machine (debootstrap ~3, wheels ~1, image ~5). It skips, saying why, where no engine can
-run: not root, no dockerd or debootstrap (scripts/setup.sh installs both), no cgroups.
+index and the Compose v2 plug-in. Cost on 2 cores: 281-302 s with that cache warm (the image's
+last layers rebuilt in 8-13 s, compose up ~230 s), 625-644 s when the image is built from its
+base, ~13 minutes on a fresh machine (debootstrap ~3, wheels ~1, image ~4, run ~5). It skips,
+saying why, where no engine can run: not root, no dockerd or debootstrap (scripts/setup.sh
+installs both), no cgroups.
 """
 
 from __future__ import annotations
@@ -121,7 +123,14 @@ def engine() -> Iterator[dict[str, str]]:
         pid = int(pidfile.read_text()) if pidfile.is_file() else dockerd.pid
         _stop_by_pid(pid)
         dockerd.wait(timeout=60)
+        _unmount_under(run_dir)  # dockerd leaves its network namespace mounted
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _unmount_under(directory: Path) -> None:
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if m.startswith(f"{directory}/")), reverse=True):
+        subprocess.run(["umount", mount], check=False, capture_output=True)
 
 
 def _compose_plugin(env: dict[str, str]) -> None:
