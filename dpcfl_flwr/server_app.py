@@ -12,7 +12,7 @@ from .config.settings import ConfigError, ExperimentConfig, parse_run_config
 from .flower_compat import in_process_grid
 from .models import initial_state
 from .results.board import BoardWriter, Observers
-from .results.recorder import RunRecorder
+from .results.recorder import RunRecorder, unused_results_directory
 from .strategies import TooFewSilos, build_strategy
 from .strategies.checkpoint import checkpoint_path, load_checkpoint
 from .strategies.exchange import PollingGrid, RunInterrupted
@@ -69,6 +69,8 @@ def main(grid: Grid, context: Context) -> None:
         logger.error("%s", exc)
         raise SystemExit(f"dpcfl: {exc}") from None
     simulated = in_process_grid(grid)
+    if not simulated and not experiment.resume:
+        experiment = _own_results_directory(experiment)
     try:
         run_experiment(grid, experiment)
     except ConfigError as exc:  # a checkpoint that cannot be resumed, a model not built
@@ -85,6 +87,17 @@ def main(grid: Grid, context: Context) -> None:
         if not simulated:
             logger.error("%s", exc)
         raise
+
+
+def _own_results_directory(experiment: ExperimentConfig) -> ExperimentConfig:
+    """``experiment`` writing into a directory no earlier run has written to (`dpcfl
+    simulate` checks its --out itself; a deployment submits the same out-dir every time)."""
+    out = unused_results_directory(experiment.out_dir)
+    if out != Path(experiment.out_dir):
+        logger.info("%s holds an earlier run's results; this run writes to %s",
+                    experiment.out_dir, out)
+        experiment = experiment.model_copy(update={"out_dir": str(out)})
+    return experiment
 
 
 def _log_to_console() -> None:

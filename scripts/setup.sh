@@ -10,6 +10,9 @@ missing=()
 dpkg -s dataset-fashion-mnist >/dev/null 2>&1 || missing+=(dataset-fashion-mnist)
 # docker-compose validates compose.yaml in the tests (no Docker engine is needed for that).
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+# tests/test_compose_engine.py starts a Docker engine of its own and builds a base with debootstrap.
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   as_root apt-get update -qq

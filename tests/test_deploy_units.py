@@ -18,7 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
 from dpcfl_flwr.config.settings import ConfigError, parse_node_config
-from dpcfl_flwr.deploy.certs import make_certificates
+from dpcfl_flwr.deploy.certs import keep_certificates, make_certificates
 from dpcfl_flwr.deploy.localhost import free_port
 from dpcfl_flwr.deploy.silo_file import (
     check_silo,
@@ -100,7 +100,7 @@ def test_silo_file_problems_are_named(tmp_path):
 def test_server_settings_are_checked_before_anything_starts(tmp_path):
     assert any("TLS needs --certs" in p for p in check_server(ServerSettings()))
     assert any("requires TLS" in p for p in check_server(ServerSettings(insecure=True)))
-    make_certificates(tmp_path, ["localhost"], [])
+    make_certificates(tmp_path, ["localhost", "127.0.0.1"], [])
     settings = ServerSettings(certs=tmp_path, state=tmp_path / "state")
     assert check_server(settings) == []
     command = superlink_command(settings)
@@ -262,7 +262,7 @@ def test_a_silo_keeps_its_open_session_in_the_flower_home_per_superlink_and_key(
 
 
 def test_a_silo_key_that_is_not_one_is_refused_before_the_superlink_starts(tmp_path):
-    paths = make_certificates(tmp_path, ["localhost"], ["silo-00"])
+    paths = make_certificates(tmp_path, ["localhost", "127.0.0.1"], ["silo-00"])
     bad = tmp_path / "bad.pub"
     bad.write_text("ecdsa-sha2-nistp256 AAAAnotakey silo-99\n")
     settings = ServerSettings(certs=tmp_path, register=[paths.nodes["silo-00"][1], bad,
@@ -270,3 +270,34 @@ def test_a_silo_key_that_is_not_one_is_refused_before_the_superlink_starts(tmp_p
     assert check_server(settings) == [
         f"{bad} is not an OpenSSH elliptic-curve public key (the .pub files of `dpcfl certs` "
         "are)", f"public key {tmp_path / 'gone.pub'} does not exist"]
+
+
+def test_a_superlink_certificate_its_own_tools_cannot_dial_is_refused_with_one_line(tmp_path):
+    # key registration and Flower's SuperExec dial the control API at 127.0.0.1 over TLS
+    make_certificates(tmp_path, ["superlink", "localhost"], [])
+    problems = check_server(ServerSettings(certs=tmp_path, api_address="0.0.0.0:8000"))
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert f"{tmp_path / 'server.pem'} is not valid for 127.0.0.1" in problems[0]
+    assert "--san superlink --san localhost --san 127.0.0.1" in problems[0]
+    other = tmp_path / "other"
+    make_certificates(other, ["127.0.0.1"], [])
+    (tmp_path / "server.pem").write_bytes((other / "server.pem").read_bytes())
+    (tmp_path / "server.key").write_bytes((other / "server.key").read_bytes())
+    assert [p for p in check_server(ServerSettings(certs=tmp_path)) if "was not issued by" in p]
+
+
+def test_kept_certificates_get_a_new_superlink_certificate_when_a_name_is_missing(tmp_path):
+    paths = make_certificates(tmp_path, ["superlink", "localhost"], ["silo-00"])
+    ca, node_key = paths.ca_certificate.read_bytes(), paths.nodes["silo-00"][0].read_bytes()
+    done = keep_certificates(tmp_path, ["superlink", "localhost", "127.0.0.1"],
+                             ["silo-00", "silo-01"])
+    assert done == ["made a new SuperLink certificate for superlink, localhost, 127.0.0.1 from "
+                    "the kept CA: the kept one was not valid for 127.0.0.1",
+                    "made 1 missing node key pair(s): silo-01"]
+    assert paths.ca_certificate.read_bytes() == ca  # silos keep trusting the same CA
+    assert paths.nodes["silo-00"][0].read_bytes() == node_key
+    assert check_server(ServerSettings(certs=tmp_path)) == []
+    assert keep_certificates(tmp_path, ["127.0.0.1"], ["silo-00"]) == []  # nothing to do
+    paths.ca_key.unlink()
+    with pytest.raises(ValueError, match="ca.key is not here to sign it"):
+        keep_certificates(tmp_path, ["superlink.example.org"], [])

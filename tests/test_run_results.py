@@ -14,7 +14,12 @@ from rich.console import Console
 
 from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.protocol import METRICS, SILO, SILO_FAILED, ModelLayout
-from dpcfl_flwr.results.recorder import RunRecorder, minority_cluster, structure_found
+from dpcfl_flwr.results.recorder import (
+    RunRecorder,
+    minority_cluster,
+    structure_found,
+    unused_results_directory,
+)
 from dpcfl_flwr.runs.progress import summary_table
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
@@ -158,3 +163,17 @@ def test_equal_clusters_have_no_minority_in_the_summary(server_task_identity, tm
     table = _rows(results)
     assert table["minority accuracy"] == "none (no cluster smaller than the others)"
     assert "majority accuracy" not in table
+
+
+def test_a_new_run_never_writes_into_an_earlier_runs_results_directory(tmp_path):
+    # a deployment submits the same out-dir every time (compose.yaml's /results/laptop-run)
+    out = tmp_path / "laptop-run"
+    assert unused_results_directory(out) == out  # absent
+    out.mkdir()
+    (out / "notes.txt").write_text("the operator's")
+    assert unused_results_directory(out) == out  # no run wrote there
+    (out / "progress.jsonl").write_text("")  # a run started there, complete or not
+    assert unused_results_directory(out) == tmp_path / "laptop-run-2"
+    (tmp_path / "laptop-run-2").mkdir()
+    (tmp_path / "laptop-run-2" / "results.json").write_text("{}")
+    assert unused_results_directory(str(out)) == tmp_path / "laptop-run-3"

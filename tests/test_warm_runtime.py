@@ -6,22 +6,32 @@ the same against real SuperNodes over gRPC."""
 from __future__ import annotations
 
 import io
+import threading
+import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.cli.build import build_fab_from_disk
+from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode, SubStatus
+from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.supercore.constant import TaskType
 from flwr.supercore.fab import Fab
+from flwr.supercore.inflatable.inflatable_object import get_object_tree
+from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
+from flwr.supernode.nodestate import NodeStateFactory
 
 import dpcfl_flwr
 from dpcfl_flwr import app_pin
 from dpcfl_flwr.config.settings import parse_node_config
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
 from dpcfl_flwr.flower_compat import warm_runtime
+from dpcfl_flwr.flower_compat.direct_runtime import DirectRuntimeClient, direct_link, fab_check
 from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
 
 PACKAGE = Path(dpcfl_flwr.__file__).parent
@@ -215,3 +225,51 @@ def test_every_silo_answers_in_its_supernode_without_flowers_superexec():
         assert command[command.index("--isolation") + 1] == "process"
         assert command[command.index("--clientapp") + 1] == mode
     assert warm[warm.index("--port") + 1] == "9123"  # flwr-clientapp's way in (per message)
+
+
+def _interrupted_message(state, run_id: int, fab: bytes) -> str:
+    """What a SuperNode holds when the run stopped while its message was arriving: the run,
+    FAB and context, a task, and a message whose objects are registered but never came."""
+    run = Run.create_empty(run_id)
+    run.fab_id, run.fab_version, run.fab_hash = FAB_ID, FAB_VERSION, app_pin.fab_hash(fab)
+    state.store_run(run)
+    state.store_fab(Fab(run.fab_hash, fab, {}))
+    state.set_run_series_context(run.series_id, Context(
+        run_id=run_id, node_id=5, node_config={}, state=RecordDict(), run_config={}))
+    message = Message(RecordDict({"model": ArrayRecord({"w": Array(np.ones(4))})}),
+                      dst_node_id=5, message_type="train")
+    message.metadata.__dict__["_run_id"] = run_id
+    message.metadata.__dict__["_message_id"] = message.object_id
+    state.create_task(task_type=TaskType.CLIENT_APP, run_id=run_id, fab_hash=run.fab_hash)
+    state.object_store.preregister(run_id, get_object_tree(message))
+    state.store_message(message)
+    return message.metadata.message_id
+
+
+@pytest.mark.parametrize("ended_by", ["the SuperNode dropped it", "the next run's message"])
+def test_a_stopped_runs_leftover_task_is_dropped_within_seconds(fab, task_identity, ended_by):
+    # A run stopped mid-round leaves a message whose objects never arrive; Flower's pull
+    # retried them for two hours while every later run of the silo waited behind it.
+    task_identity(0, 0, 0)
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state = factory.state()
+    leftover = _interrupted_message(state, 7, fab)
+    runtime = WarmRuntime("127.0.0.1:1", ClientApp(), connect=direct_link(factory),
+                          check_fab=fab_check(factory))
+    acquired = DirectRuntimeClient(factory).AcquireTask(
+        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+    answered = threading.Thread(target=runtime.run, args=(acquired.task, acquired.token),
+                                daemon=True)
+    answered.start()
+    time.sleep(0.5)
+    assert answered.is_alive()  # waits while the message may still arrive
+    stopped = time.monotonic()
+    if ended_by == "the SuperNode dropped it":
+        state.delete_messages(message_ids=[leftover])
+    else:
+        _interrupted_message(state, 8, fab)
+    answered.join(timeout=15)
+    assert not answered.is_alive() and time.monotonic() - stopped < 5
+    task = state.get_tasks(task_ids=[acquired.task.task_id])[0]
+    assert task.status.sub_status == SubStatus.FAILED and "stale task" in task.status.details
+    assert not state.get_messages(run_ids=[7], is_reply=True)  # nobody waits for a reply

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -143,6 +144,100 @@ def make_certificates(out: Path, server_names: Sequence[str], node_names: Sequen
     for name in node_names:
         make_node_keys(out / "nodes", name)
     return paths
+
+
+def certificate_names(certificate: x509.Certificate) -> list[str]:
+    """The DNS names and IP addresses ``certificate`` is valid for (its subject alternative
+    names), as ``dpcfl certs --san`` takes them."""
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(name.value) for name in names]
+
+
+def _covers(names: Sequence[str], wanted: str) -> bool:
+    try:
+        address = ipaddress.ip_address(wanted.strip("[]"))
+    except ValueError:
+        return wanted.lower() in (name.lower() for name in names)
+    return any(_ip(name) == address for name in names)
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def server_certificate_problems(directory: Path, dialled: Sequence[str]) -> list[str]:
+    """Why ``directory``'s ``server.pem`` cannot serve a SuperLink that is dialled at the hosts
+    ``dialled`` (by its own tools: key registration, Flower's SuperExec), one line each: not
+    issued by ``ca.crt``, not matching ``server.key``, expired, or not valid for a host."""
+    pem, key_path, ca = (directory / "server.pem", directory / "server.key",
+                         directory / "ca.crt")
+    try:
+        certificate = x509.load_pem_x509_certificate(pem.read_bytes())
+        ca_certificate = x509.load_pem_x509_certificate(ca.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        return [f"{directory}: the SuperLink's certificate, key or CA cannot be read ({exc})"]
+    problems = []
+    try:
+        certificate.verify_directly_issued_by(ca_certificate)
+    except (ValueError, TypeError, InvalidSignature):
+        problems.append(f"{pem} was not issued by {ca}: silos that trust {ca} would refuse it")
+    if key.public_key() != certificate.public_key():
+        problems.append(f"{key_path} is not the key of {pem}")
+    if certificate.not_valid_after_utc < dt.datetime.now(dt.UTC):
+        problems.append(f"{pem} expired on {certificate.not_valid_after_utc:%Y-%m-%d}")
+    names = certificate_names(certificate)
+    missing = [host for host in dialled if not _covers(names, host)]
+    if missing:
+        problems.append(
+            f"{pem} is not valid for {', '.join(missing)}, which this SuperLink's own tools "
+            f"dial (it names {', '.join(names) or 'nothing'}): make it again with `dpcfl "
+            f"certs --keep --san {' --san '.join([*names, *missing])}` (the CA and node keys "
+            "are kept)")
+    return problems
+
+
+def keep_certificates(out: Path, server_names: Sequence[str],
+                      node_names: Sequence[str]) -> list[str]:
+    """Keep the CA and the keys under ``out`` and make only what is missing or does not fit:
+    a SuperLink certificate that is not valid for every name in ``server_names`` is made
+    again from the kept CA (silos keep trusting ``ca.crt``), missing node keys are made.
+    Returns what was done, one line each; raises ValueError when the CA key is needed and
+    absent."""
+    done = []
+    ca_key_path = out / "ca.key"
+    try:
+        kept = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+        missing = [name for name in server_names if not _covers(certificate_names(kept), name)]
+        reason = f"the kept one was not valid for {', '.join(missing)}" if missing else None
+    except (OSError, ValueError):
+        reason = "there was none that could be read"
+    if reason is not None:
+        if not ca_key_path.is_file():
+            raise ValueError(f"{out / 'server.pem'} must be made again ({reason}), but "
+                             f"{ca_key_path} is not here to sign it")
+        ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        ca_certificate = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{ca_key_path} is not the elliptic-curve key `dpcfl certs` makes")
+        server_key, server_cert = make_server_certificate(ca_key, ca_certificate,
+                                                          server_names)
+        _write(out / "server.pem", server_cert.public_bytes(serialization.Encoding.PEM), False)
+        _write(out / "server.key", _pem_key(server_key), True)
+        done.append(f"made a new SuperLink certificate for {', '.join(server_names)} from the "
+                    f"kept CA: {reason}")
+    made = [name for name in node_names if not (out / "nodes" / name).is_file()]
+    for name in made:
+        make_node_keys(out / "nodes", name)
+    if made:
+        done.append(f"made {len(made)} missing node key pair(s): {', '.join(made)}")
+    return done
 
 
 def certificate_problems(path: Path) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from ..flower_compat.environment import use_this_environment
-from .certs import make_certificates
+from .certs import keep_certificates, make_certificates
 from .superlink import (
     DEFAULT_PULL_HOLD,
     ServerSettings,
@@ -39,12 +39,17 @@ def certs(
 ) -> None:
     """Make a CA, the SuperLink certificate and the silos' node-authentication keys."""
     names = list(node_name or []) + [f"silo-{i:02d}" for i in range(nodes)]
+    server_names = san or ["localhost", "127.0.0.1", "::1"]
     if keep and (out / "ca.crt").exists():
-        console.print(f"kept the existing certificates in {out}")
+        try:
+            done = keep_certificates(out, server_names, names)
+        except ValueError as exc:
+            stop([str(exc)])
+        console.print(f"kept the existing certificates in {out}"
+                      + "".join(f"; {line}" for line in done), highlight=False)
         return
     try:
-        paths = make_certificates(out, san or ["localhost", "127.0.0.1", "::1"], names,
-                                  overwrite)
+        paths = make_certificates(out, server_names, names, overwrite)
     except (ValueError, FileExistsError) as exc:
         stop([str(exc)])
         return

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..flower_compat import IN_MEMORY_DATABASE
 from ..flower_compat.environment import flower_tool
-from .certs import certificate_problems
+from .certs import certificate_problems, server_certificate_problems
 from .superlink_launcher import DEFAULT_PULL_HOLD
 
 
@@ -79,6 +79,10 @@ def check_server(s: ServerSettings) -> list[str]:
                     problems.append(f"{s.certs / name} is missing")
             if (s.certs / "ca.crt").is_file():
                 problems += certificate_problems(s.certs / "ca.crt")
+            if not problems:
+                # key registration and Flower's SuperExec dial the control API over TLS
+                problems += server_certificate_problems(
+                    s.certs, [connection_address(s).rpartition(":")[0]])
     for address in (s.fleet_address, s.api_address):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():

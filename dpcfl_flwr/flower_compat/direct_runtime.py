@@ -56,6 +56,7 @@ from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.nodestate import NodeState, NodeStateFactory
+from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 from flwr.supernode.servicer.runtime import runtime_handlers as handlers
 
 from .. import app_pin
@@ -129,6 +130,21 @@ class DirectRuntimeClient:
         if task is None or not self._state.acknowledge_task_heartbeat(task.task_id):
             logger.warning("the SuperNode no longer holds this ClientApp task")
         return True
+
+    def task_alive(self) -> bool:
+        """Whether the SuperNode still waits for this task's reply: it holds the task and its
+        message, and no message of another run is stored (the SuperNode takes one message at
+        a time, so one behind it means this one's run was left unfinished)."""
+        task = self._held_task()
+        if task is None:
+            return False
+        # Flower 1.39's in-memory state, read under its lock: get_messages() would mark the
+        # messages it returns as taken.
+        state = cast(InMemoryNodeState, self._state)
+        with state.lock_msg_store:
+            runs = {entry.message.metadata.run_id for entry in state.msg_store.values()
+                    if not entry.message.metadata.reply_to_message_id}
+        return runs == {task.run_id}
 
     def close(self) -> None:
         """Nothing to release: no connection (the HTTP client's ``close`` counterpart)."""

@@ -36,6 +36,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from .gate import require_pin
 
@@ -44,6 +45,10 @@ require_pin(__name__)  # the gate runs before the internal imports below
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import FAB_HASH_TRUNCATION, ErrorCode, SubStatus
+from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+    PullObjectRequest,
+    PullObjectResponse,
+)
 from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.supercore.app_utils import start_parent_process_monitor
@@ -56,6 +61,7 @@ from flwr.supercore.interceptors import (
 from flwr.supercore.protobuf.client import ProtobufClientInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import (
     pull_task_input,
     push_message,
@@ -81,6 +87,35 @@ Connect = Callable[[str | None], RuntimeHttpClient]
 # a task -> (its FAB's hash, why that FAB must not run here or None), read without taking the
 # task (direct_runtime.fab_check)
 FabCheck = Callable[[Task], tuple[str, str | None]]
+
+
+class StaleTask(Exception):
+    """A task whose message will not arrive whole: its SuperNode dropped it, or a message of
+    another run waits behind it (the run it belongs to was interrupted)."""
+
+
+class _WhileWanted:
+    """A task's Runtime API client whose object pulls stop once the task is stale.
+
+    Flower's task input pull retries an object that has not arrived for up to two hours. One
+    runtime answers its silo's tasks one at a time, so a message left over from a run that was
+    stopped mid-round (its objects never arrive) held up every later run of the silo. Each
+    retry asks ``alive()`` (the SuperNode's view, :meth:`.direct_runtime.DirectRuntimeClient.
+    task_alive`) first: a stale task ends at the next retry, within seconds."""
+
+    def __init__(self, client: RuntimeHttpClient, alive: Callable[[], bool]) -> None:
+        self._client = client
+        self._alive = alive
+
+    def PullObject(self, request: PullObjectRequest) -> PullObjectResponse:  # noqa: N802
+        response = self._client.PullObject(request)
+        if response.object_found and not response.object_available and not self._alive():
+            raise StaleTask("its message did not arrive whole and the SuperNode no longer "
+                            "waits for it (the run was stopped or interrupted)")
+        return response
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
 
 
 def http_link(address: str) -> Connect:
@@ -195,8 +230,10 @@ class WarmRuntime:
         reply: Message | None = None
         status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
         started = time.perf_counter()
+        alive = getattr(client, "task_alive", None)  # in the SuperNode's process only
         try:
-            message, context, run, fab = pull_task_input(client)
+            message, context, run, fab = pull_task_input(
+                client if alive is None else cast(RuntimeHttpClient, _WhileWanted(client, alive)))
             if refused is None and self.check_fab is None:
                 refused = self._verdict(app_pin.fab_hash(fab.content), app_pin.refusal(
                     fab.content, run.fab_id, run.fab_version))
@@ -210,6 +247,9 @@ class WarmRuntime:
             status, details = SubStatus.COMPLETED, ""
             logger.info("%s message answered in this process in %.2f s",
                         message.metadata.message_type, time.perf_counter() - started)
+        except StaleTask as exc:  # nobody waits for its reply: none is sent
+            logger.warning("dropped a task of run %d: %s", TaskIdentity.run_id, exc)
+            details = f"stale task: {exc}"
         except Exception as exc:  # the same contract as Flower's: an Error reply, not a crash
             logger.exception("ClientApp raised an exception")
             details = f"{type(exc)}:<'{exc}'>"

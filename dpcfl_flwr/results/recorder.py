@@ -62,6 +62,23 @@ def structure_found(truth: dict[int, int], assigned: dict[int, int]
     return exact, isolated
 
 
+#: Files a run writes into its results directory from its start: any of them there means
+#: that the directory is an earlier run's.
+RUN_FILES = ("progress.jsonl", "rounds.csv", "results.json", CHECKPOINT)
+
+
+def unused_results_directory(out: str | Path) -> Path:
+    """``out`` if no run has written there, else the first of ``out-2``, ``out-3``, ... that
+    no run has: a new run never rewrites an earlier run's files (a deployment's run config
+    names the same out-dir every time, e.g. compose.yaml's)."""
+    base, number = Path(out), 1
+    candidate = base
+    while any((candidate / name).exists() for name in RUN_FILES):
+        number += 1
+        candidate = base.with_name(f"{base.name}-{number}")
+    return candidate
+
+
 class RunRecorder:
     """A :class:`~dpcfl_flwr.strategies.RunObserver` that writes the results directory."""
 
