@@ -199,6 +199,8 @@ def _project(tmp_path: Path) -> Path:
     override that makes the run small and publishes no host ports (other tests use them)."""
     for name in ("compose.yaml", ".env"):
         shutil.copy(REPO / name, tmp_path / name)
+    shutil.copytree(REPO / "examples", tmp_path / "examples")  # the runner's run configs
+    shutil.copytree(REPO / "docker" / "no-data", tmp_path / "docker" / "no-data")
     shipped = yaml.safe_load((REPO / "compose.yaml").read_text())
     command = list(shipped["services"]["laptop-serverapp"]["command"])
     for setting in SMALL_RUN:

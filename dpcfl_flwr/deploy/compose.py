@@ -126,6 +126,11 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
         command += ["--clusters", str(clusters)]
     if gpu is not None:
         command += ["--device", "cuda:0"]
+    # the silo's own records, if its operator names them: a host directory mounted read-only
+    # at /data, its source and the file in it (docs/deployment.md#own-records-in-compose)
+    own = name.upper().replace("-", "_")
+    command += ["--data-source", f"${{{own}_SOURCE:-benchmark}}",
+                "--data-path", f"/data/${{{own}_FILE:-}}"]
     text = f'''  {service}:
     <<: *{"gpu" if gpu is not None else "app"}
     profiles: ["{profile}"]
@@ -134,6 +139,7 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
     volumes:
       - certs:/certs:ro
       - {service}-ledger:/ledgers
+      - ${{{name.upper().replace("-", "_")}_DATA:-./docker/no-data}}:/data:ro
     depends_on:
       superlink:
         condition: service_healthy
@@ -153,7 +159,8 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
 def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> str:
     command = ["dpcfl", "submit", "--superlink", f"superlink:{API_PORT}",
                "--root-certificates", "/certs/ca.crt", "--app", "/app",
-               "--config", "/app/examples/quick.toml", "--set", f'clusters="{topology}"',
+               "--config", "/run-config/${DPCFL_RUN_CONFIG:-quick.toml}",
+               "--set", f'clusters="{topology}"',
                "--set", f"min-clients={topology.num_clients}",
                "--set", f'out-dir="/results/{prefix or "cpu-"}run"']
     depends = "\n".join(f"      {s}:\n        condition: service_started" for s in silos)
@@ -164,6 +171,7 @@ def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> 
 {_list(command, 6)}
     volumes:
       - certs:/certs:ro
+      - ${{DPCFL_RUN_CONFIG_DIR:-./examples}}:/run-config:ro
     depends_on:
       superlink:
         condition: service_healthy

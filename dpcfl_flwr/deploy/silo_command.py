@@ -92,6 +92,15 @@ def client(
         help="The silo's true cluster, for evaluation only (default: from the topology)."),
     threads: int = typer.Option(None, "--threads", help="Torch threads (default 1)."),
     device: str = typer.Option(None, "--device", help="cpu (default) or cuda[:i]."),
+    data_source: str = typer.Option(
+        None, "--data-source",
+        help="benchmark (default), arrays, image-folder, table, or an installed plug-in's "
+             "(docs/own-data.md)."),
+    data_path: Path = typer.Option(None, "--data-path",
+                                   help="The silo's own records (file or directory)."),
+    schema_file: Path = typer.Option(
+        None, "--schema-file",
+        help="The federation's schema (TOML), to check the records fully before joining."),
     rejoin_wait: float = typer.Option(
         180.0, "--rejoin-wait", min=0.0,
         help="Seconds to keep retrying while the SuperLink refuses activation because a node "
@@ -116,7 +125,9 @@ def client(
         "samples-per-client": samples_per_client, "val-fraction": val_fraction,
         "test-samples": test_samples, "data-draw": data_draw, "data-seed": data_seed,
         "metrics": metrics, "metrics-noise": metrics_noise, "true-cluster": true_cluster,
-        "threads": threads, "device": device}.items() if v is not None}
+        "threads": threads, "device": device, "data-source": data_source,
+        "data-path": absolute(data_path), "schema-file": absolute(schema_file)}.items()
+        if v is not None}
     try:
         silo, node_config = load_silo_file(silo_file, overrides, node)
     except ConfigError as exc:
