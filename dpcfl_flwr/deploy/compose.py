@@ -127,7 +127,7 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
     if gpu is not None:
         command += ["--device", "cuda:0"]
     # the silo's own records, if its operator names them: a host directory mounted read-only
-    # at /data, its source and the file in it (docs/deployment.md#own-records-in-compose)
+    # at /data, its source and the file in it (docs/deployment.md#docker-compose)
     own = name.upper().replace("-", "_")
     command += ["--data-source", f"${{{own}_SOURCE:-benchmark}}",
                 "--data-path", f"/data/${{{own}_FILE:-}}"]
