@@ -5,15 +5,15 @@ docs/algorithm.md#noise-aware-clustering derives every step (A12-A16).
 Silo i's round-1 update is its cluster's mean plus Gaussian noise of per-coordinate variance
 v_i, and v_i differs between silos when their budgets do. Three steps use it:
 
-1. a projection from the n x n Gram matrix with each silo's own noise energy p v_i taken off
-   its diagonal: the authors' projection puts a very noisy update on an axis of its own (its
-   noise is its largest direction), which is how the spherical GMM ends up separating silos
-   by noise level;
+1. a projection from the n x n Gram matrix whose diagonal, where each silo's own noise energy
+   p v_i sits, is imputed from the rest: the authors' projection puts a very noisy update on
+   an axis of its own (its noise is its largest direction), which is how the spherical GMM
+   ends up separating silos by noise level;
 2. a mixture whose point i in cluster m has covariance (sigma_m^2 + e_i) I, e_i being silo
    i's noise above the least noisy silo's: with every v_i equal it is the spherical GMM;
 3. v_i itself from the silo's reported noise plan, from the update's own spread off the other
-   silos' principal subspace, or the larger of the two, so that a silo reporting less noise
-   than it adds cannot move other silos.
+   silos' principal subspace, or the plan floored by that estimate over a tolerance, so that
+   a silo reporting less noise than it adds cannot move other silos.
 
 All of it is numpy on the server's DP outputs (post-processing; no privacy cost).
 """
