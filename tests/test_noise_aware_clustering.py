@@ -126,6 +126,25 @@ def test_updates_with_100x_noise_today_splits_by_noise_noise_aware_finds_the_clu
         assert fitted.mss_ > 3 and fitted.responsibilities_.max(axis=1).min() > 0.999
 
 
+def test_with_equal_noise_the_clusterer_finds_todays_partition_with_todays_mixture():
+    """Equal v_i: no excess noise, the mixture on the clusterer's points is the spherical
+    GMM's, and the partition is today's (here the true one)."""
+    rng = np.random.default_rng(3)
+    truth = np.repeat([0, 1, 2], [3, 6, 6])
+    centres = rng.normal(size=(3, 5000))
+    updates = centres[truth] + 2.0 * rng.normal(size=(len(truth), 5000))
+    today = UpdateClusterer(None, range(2, 6), n_components=None).fit(updates)
+    aware = NoiseAwareClusterer(None, range(2, 6), n_components=None).fit(
+        updates, [4.0] * len(truth))
+    assert not np.any(aware.excess_noise_)
+    assert _same_partition(aware.labels_, today.labels_) and _same_partition(today.labels_,
+                                                                             truth)
+    assert aware.n_clusters_ == today.n_clusters_ == 3
+    spherical = fit_spherical_gmm(aware.points_, 3, 0)
+    np.testing.assert_allclose(aware.responsibilities_, spherical.responsibilities, atol=1e-9)
+    assert aware.mss_ == pytest.approx(spherical.mss, abs=1e-9)
+
+
 def test_estimated_noise_is_close_to_the_truth_and_never_far_below():
     _, variances, updates = _updates()
     fitted = NoiseAwareClusterer(2, n_components=None, noise_source="estimate").fit(updates)

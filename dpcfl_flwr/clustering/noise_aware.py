@@ -51,31 +51,16 @@ def update_gram(updates: np.ndarray) -> tuple[np.ndarray, int]:
     return gram, trained
 
 
-def residual_noise_variances(gram: np.ndarray, trained: int, rank: int,
-                             guide: np.ndarray | None = None) -> np.ndarray:
-    """v_hat_i: the energy of update i off a ``rank``-dimensional subspace spanned by the
-    *other* updates, per remaining coordinate (A14). That subspace does not depend on silo
-    i's noise, so v_hat_i estimates v_i plus the part of its mean the subspace misses: never
-    less than v_i on average, whatever silo i reports.
-
-    The subspace: the others' top principal directions, or with ``guide`` (noise variances,
-    e.g. a first pass of this estimate) their directions of most signal per unit of noise
-    (as in :func:`debiased_projection`), which miss less of the means."""
+def residual_noise_variances(gram: np.ndarray, trained: int) -> np.ndarray:
+    """v_hat_i: the energy of update i off the span of all *other* updates, per remaining
+    coordinate, 1 / ((G^-1)_ii (p' - n + 1)) (A14). That span does not depend on silo i's
+    noise, so v_hat_i estimates v_i plus the part of its mean the span misses: never less
+    than v_i on average, whatever silo i reports. One n x n inverse for all silos."""
     n = len(gram)
-    rank = max(1, min(rank, n - 2))
-    estimates = np.empty(n)
-    for i in range(n):
-        others = np.delete(np.arange(n), i)
-        inner = gram[np.ix_(others, others)]
-        noise = None if guide is None else guide[others]
-        axes, _ = _signal_axes(inner if noise is None else inner - np.diag(trained * noise),
-                               noise, rank)
-        axes = np.column_stack([axes, np.ones(n - 1)])  # and the others' common mean
-        frame = axes.T @ inner @ axes
-        cross = axes.T @ gram[others, i]
-        inside = float(cross @ np.linalg.lstsq(frame, cross, rcond=None)[0])
-        estimates[i] = max(gram[i, i] - inside, 0.0) / max(trained - rank - 1, 1)
-    return estimates
+    scale = max(float(np.trace(gram)) / n, 1e-300)
+    values, vectors = np.linalg.eigh(gram / scale)
+    inverse_diagonal = (vectors**2) @ (1.0 / np.clip(values, 1e-12 * values.max(), None))
+    return np.asarray(scale / inverse_diagonal / max(trained - n + 1, 1))
 
 
 def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
@@ -101,15 +86,21 @@ def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
 def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray:
     """The Gram matrix of the updates' means: off the diagonal x_i . x_j, whose noise has
     mean 0; on it, ||x_i||^2 carries silo i's noise energy p' v_i, so it is replaced by the
-    rank-``rank`` fit of the rest, refitted a few times (diagonal deletion, as heteroscedastic
-    PCA does). Nothing a silo reports enters, so no report can leave its noise in (A13)."""
-    signal = gram - np.diag(np.diag(gram))
+    rank-``rank`` fit of the rest, refitted until it settles, at most ``iterations`` times
+    (diagonal deletion, as heteroscedastic PCA does). Nothing a silo reports enters, so no
+    report can leave its noise in (A13)."""
+    off_diagonal = gram - np.diag(np.diag(gram))
+    diagonal = np.zeros(len(gram))
     for _ in range(iterations):
-        values, vectors = np.linalg.eigh(signal)
+        values, vectors = np.linalg.eigh(off_diagonal + np.diag(diagonal))
         top = np.argsort(values)[::-1][:rank]
-        fitted = (vectors[:, top] * np.clip(values[top], 0.0, None)) @ vectors[:, top].T
-        signal = gram - np.diag(np.diag(gram)) + np.diag(np.diag(fitted))
-    return signal
+        fitted = np.einsum("ik,k,ik->i", vectors[:, top], np.clip(values[top], 0.0, None),
+                           vectors[:, top])
+        settled = np.abs(fitted - diagonal).max() <= 1e-6 * max(np.abs(fitted).max(), 1e-300)
+        diagonal = fitted
+        if settled:
+            break
+    return np.asarray(off_diagonal + np.diag(diagonal))
 
 
 def combine_noise(reported: Sequence[float | None] | None, estimated: np.ndarray,
@@ -281,7 +272,7 @@ class NoiseAwareClusterer(UpdateClusterer):
     """:class:`~.gmm.UpdateClusterer` for updates whose DP noise differs by silo
     (docs/algorithm.md#noise-aware-clustering): debiased projection, noise-aware mixture,
     and v_i from ``noise_source`` ("plan": the reported variances; "estimate": each update's
-    spread off the others' principal subspace of dimension ``signal_rank``; "larger", the
+    spread off the span of the others' updates; "larger", the
     default: the plan, or the estimate over ``tolerance`` where that is larger, so that
     under-reporting changes nothing).
 
@@ -296,12 +287,11 @@ class NoiseAwareClusterer(UpdateClusterer):
         candidate_clusters: Sequence[int] = tuple(range(2, 11)), scaler: str = "minmax",
         tol: float = 1e-6, max_iter: int = 100, random_state: int = 0,
         n_components: int | None = 2, noise_source: NoiseSource = "larger",
-        signal_rank: int | None = None, tolerance: float = 10.0,
+        tolerance: float = 10.0,
     ) -> None:
         super().__init__(n_clusters, candidate_clusters, scaler, tol, max_iter, random_state,
                          n_components)
         self.noise_source = noise_source
-        self.signal_rank = signal_rank
         self.tolerance = tolerance
 
     def fit(self, updates: np.ndarray,  # type: ignore[override]
@@ -311,12 +301,8 @@ class NoiseAwareClusterer(UpdateClusterer):
         candidates = self._candidates(n_points)
         dims = {m: self._dimension(m, n_points) for m in candidates}
         gram, trained = update_gram(updates)
-        rank = self.signal_rank or max(candidates) + 1
-        self.estimated_noise_variances_ = np.zeros(n_points)
-        if self.noise_source != "plan":  # two passes: the first guides the second's axes
-            first = residual_noise_variances(gram, trained, rank)
-            self.estimated_noise_variances_ = residual_noise_variances(gram, trained, rank,
-                                                                       first)
+        self.estimated_noise_variances_ = (np.zeros(n_points) if self.noise_source == "plan"
+                                           else residual_noise_variances(gram, trained))
         self.noise_variances_ = combine_noise(reported, self.estimated_noise_variances_,
                                               self.noise_source, self.tolerance)
         self.projection_ = debiased_projection(gram, self.noise_variances_, max(dims.values()))
