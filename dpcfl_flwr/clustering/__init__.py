@@ -1,6 +1,7 @@
 """Server-side clustering of DP model updates.
 
-docs/algorithm.md#stage-1-clustering-the-round-1-updates (equations A4-A8).
+docs/algorithm.md#stage-1-clustering-the-round-1-updates (equations A4-A8);
+docs/algorithm.md#noise-aware-clustering for silos whose noise differs (A12-A16).
 """
 
 from .gmm import (
@@ -13,8 +14,18 @@ from .gmm import (
     separation_scores,
     switch_round,
 )
+from .noise_aware import (
+    NoiseAwareClusterer,
+    combine_noise,
+    debiased_projection,
+    fit_noise_aware_gmm,
+    residual_noise_variances,
+    update_gram,
+)
 
 __all__ = [
-    "GMMFit", "UpdateClusterer", "fit_spherical_gmm", "overlap", "project_updates",
-    "scale_points", "separation_scores", "switch_round",
+    "GMMFit", "NoiseAwareClusterer", "UpdateClusterer", "combine_noise", "debiased_projection",
+    "fit_noise_aware_gmm", "fit_spherical_gmm", "overlap", "project_updates",
+    "residual_noise_variances", "scale_points", "separation_scores", "switch_round",
+    "update_gram",
 ]

@@ -93,6 +93,9 @@ class GMMFit:
     converged: bool
     mss: float
     mpo: float
+    #: sigma_m^2, the spread of each component besides its members' own noise (the
+    #: noise-aware fit, docs/algorithm.md#noise-aware-clustering); None: radii**2
+    spreads: np.ndarray | None = None
 
 
 def fit_spherical_gmm(
@@ -179,13 +182,17 @@ class UpdateClusterer:
         scaled = scale_points(self.projection_, self.scaler)  # per axis, so slices stay scaled
         fits = {m: fit_spherical_gmm(scaled[:, :dims[m]], m, self.random_state, self.tol,
                                      self.max_iter) for m in candidates}
+        self._keep(fits, scaled[:, :dims[max(fits, key=lambda m: (fits[m].mss, -m))]])
+        return self
+
+    def _keep(self, fits: dict[int, GMMFit], points: np.ndarray) -> None:
+        """Keep the fit of largest MSS (the fewest clusters among ties) and its ``points``."""
         self.candidate_mss_ = {m: fit.mss for m, fit in fits.items()}
         self.n_clusters_ = max(fits, key=lambda m: (fits[m].mss, -m))
         best = fits[self.n_clusters_]
-        self.points_ = scaled[:, :dims[self.n_clusters_]]
+        self.points_ = points
         self.means_, self.radii_ = best.means, best.radii
         self.responsibilities_ = best.responsibilities
         self.labels_ = best.responsibilities.argmax(axis=1)
         self.mss_, self.mpo_ = best.mss, best.mpo
         self.n_iter_, self.converged_ = best.n_iter, best.converged
-        return self

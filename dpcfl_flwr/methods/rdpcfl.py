@@ -3,7 +3,8 @@
 docs/algorithm.md states it stage by stage, with the equations the code cites (A1-A11).
 
 Round 1: every silo takes one full-batch DP step from theta_init; the server clusters the
-updates (PCA -> spherical GMM), records MSS/MPO and sets E_c = floor((1 - MPO) E / 2).
+updates (PCA -> spherical GMM; or, with ``clustering = "noise-aware"``, a mixture that knows
+each silo's own noise level), records MSS/MPO and sets E_c = floor((1 - MPO) E / 2).
 Rounds 2..E_c: each silo trains the model of a cluster drawn from its soft assignment pi_i.
 Rounds > E_c: silos receive all M models and choose one privately (exponential mechanism on
 train accuracy); with the ``window`` option (the authors' runs) they choose for T_sel rounds,
@@ -19,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from ..clustering import UpdateClusterer, switch_round
+from ..clustering import NoiseAwareClusterer, UpdateClusterer, switch_round
 from ..config.registry import register
 from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
@@ -37,6 +38,12 @@ class RDPCFLParams(SelectionParams):
     pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
     cluster_init: Literal["theta-init", "client0"] = "theta-init"
     first_batch: str = Field("full", description="round 1's batch: 'full' or a record count")
+    clustering: Literal["spherical", "noise-aware"] = Field(
+        "spherical", description="round 1's mixture: the authors' spherical GMM, or one that "
+        "knows each silo's own noise level (docs/algorithm.md#noise-aware-clustering)")
+    noise_source: Literal["plan", "estimate", "larger"] = Field(
+        "larger", description="noise-aware: each silo's noise variance from its reported "
+        "noise plan, estimated from its update, or the larger of the two")
 
     @field_validator("first_batch")
     @classmethod
@@ -68,6 +75,11 @@ class ClusteringOutcome:
     means: list[list[float]]
     radii: list[float]
     candidate_mss: dict[int, float]
+    #: "spherical" or "noise-aware"; the latter's per-silo noise variances v_i it used and
+    #: its estimates v_hat_i from the updates (units of the update, squared)
+    mixture: str = "spherical"
+    noise_variances: list[float] | None = None
+    estimated_noise_variances: list[float] | None = None
 
 
 @register
@@ -168,20 +180,42 @@ class RDPCFL(Method):
             raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
         e, p = self.experiment, self.params
         candidates = range(2, min(p.max_clusters, len(partitions) - 1) + 1)
-        fitted = UpdateClusterer(p.n_clusters or None, candidates, random_state=e.seed,
-                                 n_components=p.pca_components or None).fit(
-            np.stack([updates[p] for p in partitions]))
+        matrix = np.stack([updates[p] for p in partitions])
+        fitted: UpdateClusterer
+        if p.clustering == "noise-aware":
+            fitted = NoiseAwareClusterer(
+                p.n_clusters or None, candidates, random_state=e.seed,
+                n_components=p.pca_components or None, noise_source=p.noise_source,
+            ).fit(matrix, self._planned_noise(replies, partitions))
+        else:
+            fitted = UpdateClusterer(p.n_clusters or None, candidates, random_state=e.seed,
+                                     n_components=p.pca_components or None).fit(matrix)
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
         self.switch = switch_round(fitted.mpo_, e.num_server_rounds)
         self.clustering = ClusteringOutcome(
             partitions, fitted.n_clusters_, fitted.mss_, fitted.mpo_, self.switch,
             fitted.n_iter_, fitted.converged_, fitted.labels_.tolist(),
             fitted.responsibilities_.tolist(), fitted.points_.tolist(), fitted.means_.tolist(),
-            fitted.radii_.tolist(), fitted.candidate_mss_)
+            fitted.radii_.tolist(), fitted.candidate_mss_, p.clustering,
+            *self._noise_levels(fitted))
         self.state.models = [self._reset_model(updates, partitions)
                              for _ in range(fitted.n_clusters_)]
         logger.info("round 1 clustering: M=%d, MSS=%.3f, MPO=%.3g, E_c=%d, EM iterations=%d",
                     self.n_clusters, fitted.mss_, fitted.mpo_, self.switch, fitted.n_iter_)
+
+    def _planned_noise(self, replies: dict[int, TrainReply],
+                       partitions: list[int]) -> list[float | None]:
+        """v_i from each silo's reported plan: K eta^2 z_i^2 c^2 / N_i^2 per coordinate (the
+        reply's variance is at learning rate 1; docs/algorithm.md#noise-aware-clustering)."""
+        rate = self.experiment.learning_rate**2
+        reported = [replies[p].noise_variance for p in partitions]
+        return [None if v is None else rate * v for v in reported]
+
+    @staticmethod
+    def _noise_levels(fitted: UpdateClusterer) -> tuple[list[float] | None, list[float] | None]:
+        if not isinstance(fitted, NoiseAwareClusterer):
+            return None, None
+        return fitted.noise_variances_.tolist(), fitted.estimated_noise_variances_.tolist()
 
     def _reset_model(self, updates: dict[int, np.ndarray], partitions: list[int]) -> np.ndarray:
         """theta_init for every cluster ([001] Alg. 1 line 13), or the authors' code: the

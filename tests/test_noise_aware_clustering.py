@@ -1,0 +1,276 @@
+"""Noise-aware round-1 clustering (docs/algorithm.md#noise-aware-clustering): the numpy core
+on synthetic mixtures whose right answer is known, and R-DPCFL selecting it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Message
+from sklearn.metrics import adjusted_rand_score
+
+from dpcfl_flwr.clustering import (
+    NoiseAwareClusterer,
+    UpdateClusterer,
+    combine_noise,
+    debiased_projection,
+    fit_noise_aware_gmm,
+    fit_spherical_gmm,
+    switch_round,
+    update_gram,
+)
+from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.methods.base import INITIAL
+from dpcfl_flwr.protocol import METRICS, UPDATE, ModelLayout, one_record, pack
+from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.strategies import ClusteredStrategy
+
+from .grid_double import GridDouble
+from .scripted_silos import NODE, TRUTH, ScriptedSilo
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal up to the labels' names."""
+    return bool(np.array_equal(a[:, None] == a[None, :], b[:, None] == b[None, :]))
+
+
+# --- the mixture ------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n_clusters", [2, 3, 4])
+def test_with_equal_noise_it_is_todays_spherical_gmm(seed, n_clusters):
+    """Every v_i equal: no excess noise, and the fit, MSS, MPO and E_c are today's."""
+    rng = np.random.default_rng(seed)
+    points = np.concatenate([rng.normal(c, 0.1, (7, 2)) for c in ([0, 0], [1, 0], [0, 1])])
+    today = fit_spherical_gmm(points, n_clusters, seed)
+    aware = fit_noise_aware_gmm(points, np.zeros(len(points)), n_clusters, seed)
+    assert aware.n_iter == today.n_iter and aware.converged == today.converged
+    for mine, theirs in [(aware.means, today.means), (aware.radii, today.radii),
+                         (aware.responsibilities, today.responsibilities)]:
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(aware.spreads, today.radii**2, rtol=1e-9)
+    assert aware.mss == pytest.approx(today.mss, abs=1e-9)
+    assert aware.mpo == pytest.approx(today.mpo, abs=1e-9)
+    assert switch_round(aware.mpo, 200) == switch_round(today.mpo, 200)
+
+
+def _two_noise_levels(seed: int, n: int = 400):
+    """Two clusters 8 apart (spreads 1 and 1.5); every other pair of points carries extra
+    noise of variance 99 (std ~10: about 100x the variance of the quiet points)."""
+    rng = np.random.default_rng(seed)
+    truth = np.arange(n) % 2
+    noisy = (np.arange(n) // 2) % 2 == 1
+    means, spreads = np.array([[0.0, 0.0], [8.0, 0.0]]), np.array([1.0, 1.5])
+    excess = np.where(noisy, 99.0, 0.0)
+    total = spreads[truth] ** 2 + excess
+    return means, spreads, truth, noisy, excess, means[truth] + rng.normal(
+        size=(n, 2)) * np.sqrt(total)[:, None]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_known_noise_recovers_the_clusters_where_todays_gmm_splits_by_noise(seed):
+    means, spreads, truth, noisy, excess, points = _two_noise_levels(seed)
+    today = fit_spherical_gmm(points, 2, seed).responsibilities.argmax(axis=1)
+    # Today's mixture puts the quiet points in one tight component, the noisy in a wide one.
+    assert adjusted_rand_score(truth, today) < 0.05
+    assert adjusted_rand_score(noisy, today) > 0.4
+    fit = fit_noise_aware_gmm(points, excess, 2, seed)
+    labels = fit.responsibilities.argmax(axis=1)
+    assert _same_partition(labels[~noisy], truth[~noisy])
+    # The right answer for each point: Bayes' rule with the true means, spreads and noise.
+    total = spreads[None, :] ** 2 + excess[:, None]
+    log_density = -np.log(total) - np.sum(
+        (points[:, None, :] - means[None]) ** 2, axis=2) / (2 * total)
+    bayes = log_density.argmax(axis=1)
+    assert max(np.mean(labels == bayes), np.mean(labels != bayes)) >= 0.99
+    order = np.argsort(fit.means[:, 0])  # component near 0, then near 8
+    np.testing.assert_allclose(fit.means[order], means, atol=0.5)
+    np.testing.assert_allclose(np.sqrt(fit.spreads[order]), spreads, rtol=0.2)
+
+
+def test_a_components_radius_counts_its_members_noise():
+    """r_m^2 = sigma_m^2 + the members' mean excess noise: a component of noisy points is
+    wide, so it cannot pass for a confident cluster of its own."""
+    _, _, _, noisy, excess, points = _two_noise_levels(0)
+    fit = fit_noise_aware_gmm(points, excess, 2, 0)
+    member_noise = fit.responsibilities.T @ excess / fit.responsibilities.sum(axis=0)
+    np.testing.assert_allclose(fit.radii**2, fit.spreads + member_noise, rtol=1e-6)
+    assert 0 < fit.mss < 1  # 8 apart, members' std ~7: heavy overlap, and it says so
+
+
+# --- updates in high dimension ----------------------------------------------------------------
+def _updates(seed: int = 0, p: int = 20_000, n: int = 20):
+    """Two clusters at +-100 u (u a unit vector); per coordinate, half the silos of each
+    cluster carry noise of variance 1, the other half 100."""
+    rng = np.random.default_rng(seed)
+    direction = rng.normal(size=p)
+    direction /= np.linalg.norm(direction)
+    truth = np.arange(n) % 2
+    variances = np.where(np.arange(n) % 4 < 2, 1.0, 100.0)
+    centres = np.stack([100 * direction, -100 * direction])
+    return truth, variances, centres[truth] + rng.normal(size=(n, p)) * np.sqrt(
+        variances)[:, None]
+
+
+@pytest.mark.parametrize("n_clusters", [2, None])
+def test_updates_with_100x_noise_today_splits_by_noise_noise_aware_finds_the_clusters(
+        n_clusters):
+    truth, variances, updates = _updates()
+    today = UpdateClusterer(n_clusters, range(2, 6), n_components=None).fit(updates)
+    assert adjusted_rand_score(truth, today.labels_) < 0.1
+    for source in ("plan", "estimate", "larger"):
+        fitted = NoiseAwareClusterer(n_clusters, range(2, 6), n_components=None,
+                                     noise_source=source).fit(updates, list(variances))
+        assert fitted.n_clusters_ == 2
+        assert _same_partition(fitted.labels_, truth)
+        assert fitted.mss_ > 3 and fitted.responsibilities_.max(axis=1).min() > 0.999
+
+
+def test_with_equal_noise_the_clusterer_finds_todays_partition_with_todays_mixture():
+    """Equal v_i: no excess noise, the mixture on the clusterer's points is the spherical
+    GMM's, and the partition is today's (here the true one)."""
+    rng = np.random.default_rng(3)
+    truth = np.repeat([0, 1, 2], [3, 6, 6])
+    centres = rng.normal(size=(3, 5000))
+    updates = centres[truth] + 2.0 * rng.normal(size=(len(truth), 5000))
+    today = UpdateClusterer(None, range(2, 6), n_components=None).fit(updates)
+    aware = NoiseAwareClusterer(None, range(2, 6), n_components=None).fit(
+        updates, [4.0] * len(truth))
+    assert not np.any(aware.excess_noise_)
+    assert _same_partition(aware.labels_, today.labels_) and _same_partition(today.labels_,
+                                                                             truth)
+    assert aware.n_clusters_ == today.n_clusters_ == 3
+    spherical = fit_spherical_gmm(aware.points_, 3, 0)
+    np.testing.assert_allclose(aware.responsibilities_, spherical.responsibilities, atol=1e-9)
+    assert aware.mss_ == pytest.approx(spherical.mss, abs=1e-9)
+
+
+def test_estimated_noise_is_close_to_the_truth_and_never_far_below():
+    _, variances, updates = _updates()
+    fitted = NoiseAwareClusterer(2, n_components=None, noise_source="estimate").fit(updates)
+    ratio = fitted.estimated_noise_variances_ / variances
+    assert ratio.min() > 0.95 and ratio.max() < 1.2
+
+
+def test_projected_noise_is_each_silos_own_variance():
+    """In the debiased projection a silo's scatter about its cluster's centre has variance
+    v_i on every axis (A13), quiet and noisy silos alike."""
+    truth, variances, updates = _updates(seed=1, n=40)
+    gram, _ = update_gram(updates)
+    points = debiased_projection(gram, variances, 2)
+    residual = points - np.stack([np.median(points[truth == t], axis=0) for t in (0, 1)])[truth]
+    for level in (1.0, 100.0):
+        spread = np.mean(residual[variances == level] ** 2)
+        assert 0.5 * level < spread < 2 * level
+
+
+# --- a silo that under-reports ---------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("liar", [0, 2, 3])
+@pytest.mark.parametrize("source", ["larger", "plan"])
+@pytest.mark.parametrize("n_clusters", [2, None])
+def test_a_silo_reporting_10x_less_noise_moves_no_other_silo(seed, liar, source, n_clusters):
+    """Silo ``liar`` reports a noise level (std) 10x below its true one (1/100 of its
+    variance). No other silo's assignment changes: the projection takes no report, and the
+    liar's own v_i is floored by its estimate over the tolerance (10)."""
+    truth, variances, updates = _updates(seed)
+    honest = NoiseAwareClusterer(n_clusters, range(2, 6), n_components=None,
+                                 noise_source=source).fit(updates, list(variances))
+    reported = list(variances)
+    reported[liar] = variances[liar] / 100
+    lied = NoiseAwareClusterer(n_clusters, range(2, 6), n_components=None,
+                               noise_source=source).fit(updates, reported)
+    others = np.arange(len(truth)) != liar
+    assert _same_partition(honest.labels_, truth)
+    assert lied.n_clusters_ == honest.n_clusters_
+    assert _same_partition(lied.labels_[others], honest.labels_[others])
+    if source == "larger":
+        assert lied.noise_variances_[liar] >= lied.estimated_noise_variances_[liar] / 10
+        assert lied.noise_variances_[liar] > 0.09 * variances[liar]
+
+
+def test_noise_sources():
+    estimated = np.array([1.0, 2.0, 3.0])
+    # larger: the plan unless the estimate over the tolerance exceeds it; no plan: estimate
+    np.testing.assert_array_equal(combine_noise([2.0, None, 0.01], estimated, "larger"),
+                                  [2.0, 2.0, 0.3])
+    np.testing.assert_array_equal(combine_noise([0.5, None, 0.01], estimated, "larger", 1.0),
+                                  [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(combine_noise(None, estimated, "estimate"), estimated)
+    np.testing.assert_array_equal(combine_noise([5.0, 5.0, 5.0], estimated, "plan"), [5.0] * 3)
+    with pytest.raises(ValueError, match="updates \\[1\\] came without one"):
+        combine_noise([1.0, None, 1.0], estimated, "plan")
+
+
+# --- R-DPCFL through the strategy -------------------------------------------------------------
+class NoisySilo(ScriptedSilo):
+    """A scripted silo whose round-1 update carries DP noise of its own plan: K = 1 full-batch
+    step on N = 100 records at noise multiplier ``z``, reported like a real silo reports it."""
+
+    def __init__(self, partition: int, layout: ModelLayout, centres: np.ndarray, z: float,
+                 learning_rate: float, clip: float) -> None:
+        super().__init__(partition, layout, centres)
+        self.z, self.std = z, learning_rate * z * clip / 100
+
+    def _train(self, message: Message, cluster: int) -> Message:
+        if cluster != INITIAL:
+            return super()._train(message, cluster)
+        self.received.append(message)
+        update = self.centres[TRUTH[self.partition]] + self.rng.normal(
+            0, self.std, self.layout.size)
+        metrics = {"cluster": cluster, "selected": 0, "num-examples": 100, "val-loss": 1.0,
+                   "val-accuracy": 0.5, "epsilon-spent": 1.0, "noise-multiplier": self.z,
+                   "batch-size": 100, "steps": 1}
+        return self._reply(message, one_record(METRICS, metrics,
+                                               {UPDATE: pack(update.astype(np.float32))}))
+
+
+def _run(clustering: str, source: str = "larger"):
+    experiment = parse_run_config({
+        "clusters": "2,3,3", "rdpcfl.n-clusters": 0, "rdpcfl.max-clusters": 4,
+        "num-server-rounds": 4, "rdpcfl.clustering": clustering,
+        "rdpcfl.noise-source": source, "eval-every": 4, "out-dir": "unused"})
+    initial = initial_arrays(experiment)
+    strategy = ClusteredStrategy(experiment, initial)
+    layout = ModelLayout.of(initial)
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 1, (3, layout.size))
+    centres *= 0.05 / np.linalg.norm(centres, axis=1, keepdims=True)
+    # Odd silos: 10x the noise multiplier of even ones, 100x the noise variance.
+    silos = {NODE + p: NoisySilo(p, layout, centres, 1.0 if p % 2 == 0 else 10.0,
+                                 experiment.learning_rate, experiment.clip_norm)
+             for p in range(len(TRUTH))}
+    grid = GridDouble(silos)
+    strategy.discover(grid, expected=len(TRUTH), wait=1)
+    strategy.start(grid, initial, experiment.num_server_rounds, timeout=10)
+    return strategy, experiment
+
+
+def test_rdpcfl_noise_aware_clustering_through_the_strategy(server_task_identity):
+    strategy, experiment = _run("noise-aware", "plan")
+    outcome = strategy.method.clustering
+    labels = np.array(outcome.labels)
+    assert outcome.mixture == "noise-aware" and outcome.n_clusters == 3
+    assert _same_partition(labels, np.array(TRUTH)[outcome.partitions])
+    # v_i = K eta^2 z_i^2 c^2 / N_i^2 from the reported plan.
+    eta, c = experiment.learning_rate, experiment.clip_norm
+    expected = [(eta * (1.0 if p % 2 == 0 else 10.0) * c / 100) ** 2
+                for p in outcome.partitions]
+    np.testing.assert_allclose(outcome.noise_variances, expected, rtol=1e-6)
+    np.testing.assert_allclose(outcome.estimated_noise_variances, [0.0] * len(expected))
+    assert strategy.method.switch == math.floor((1 - outcome.mpo) * 4 / 2)
+
+
+def test_rdpcfl_default_is_todays_spherical_gmm(server_task_identity):
+    strategy, _ = _run("spherical")
+    outcome = strategy.method.clustering
+    assert outcome.mixture == "spherical" and outcome.noise_variances is None
+    assert not _same_partition(np.array(outcome.labels), np.array(TRUTH)[outcome.partitions])
+    strategy, experiment = _run("noise-aware")  # larger of plan and estimate / 10
+    outcome = strategy.method.clustering
+    assert _same_partition(np.array(outcome.labels), np.array(TRUTH)[outcome.partitions])
+    # Every estimate within the tolerance of the plan, so the plan is used; none far below.
+    plan = np.array([(experiment.learning_rate * (1.0 if p % 2 == 0 else 10.0)
+                      * experiment.clip_norm / 100) ** 2 for p in outcome.partitions])
+    np.testing.assert_allclose(outcome.noise_variances, plan, rtol=1e-6)
+    assert np.min(np.array(outcome.estimated_noise_variances) / plan) > 0.8
