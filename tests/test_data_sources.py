@@ -63,6 +63,8 @@ def test_schema_keys_that_disagree_are_refused():
         parse_run_config({"features": "a:number, b:category(x|y)", "input-shape": "4"})
     with pytest.raises(ConfigError, match="2 names for 3 classes"):
         parse_run_config({"class-names": "cat,dog", "num-classes": 3})
+    one = parse_run_config({"input-shape": "3,8,8", "image-mean": 0.5, "image-std": 0.25})
+    assert one.data_schema.image_mean == (0.5,)  # --set image-mean=0.5 arrives as a number
     with pytest.raises(ConfigError, match="image-mean gives 2 values for 3 channels"):
         parse_run_config({"input-shape": "3,8,8", "image-mean": "0.5,0.5", "image-std": "1,1"})
 

@@ -242,10 +242,11 @@ class ExperimentConfig(ConfigModel):
         return str(value)
 
     @field_validator("silo_epsilons", "silo_deltas", "silo_batch_sizes", "silo_samples",
-                     "lying_silos", mode="before")
+                     "lying_silos", "image_mean", "image_std", mode="before")
     @classmethod
     def _one_value_list(cls, value: Any) -> Any:
-        """A list of one (``--set lying-silos=3``) arrives as a number."""
+        """A list of one (``--set lying-silos=3``, ``--set image-mean=0.5``) arrives as a
+        number."""
         return str(value) if isinstance(value, int | float) and not isinstance(value, bool) \
             else value
 
