@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .assembly import client_data
 from .partition import ClientData
 from .readers import DataError
-from .records import FileRows, Inputs, LazyRecords
-from .sources import SPLITS, SourceRequest, check_training_records, draw_split
+from .records import FileRows, Inputs, LazyRecords, chunks_of
+from .sources import SPLITS, SourceRequest, draw_split
 
 
 def _arrays(path: Path) -> Mapping[str, np.ndarray]:
@@ -111,15 +112,11 @@ def load_arrays(path: str | Path, client_id: int, seed: int, val_fraction: float
         reader = (FileRows.of_npy(x) if isinstance(x, np.memmap) and x.flags.c_contiguous
                   else None)
         records = LazyRecords(reader or x.__getitem__, chosen, tuple(x.shape[1:]))
-        if not all(bool(torch.isfinite(chunk).all()) for chunk in records.chunks()):
+        inputs[name] = records if reader else records[:]  # an .npz: read once, in memory
+        if not all(bool(torch.isfinite(chunk).all()) for chunk in chunks_of(inputs[name])):
             raise DataError(f"{where}: records hold NaN or infinite values")
-        inputs[name] = records if reader else records[:]
         labels[name] = torch.from_numpy(np.array(y[chosen], dtype=np.int64))
-    if "val" not in inputs:  # a given split without validation records
-        inputs["val"], labels["val"] = inputs["train"][:0], labels["train"][:0]
-    return check_training_records(
-        ClientData(client_id, -1, inputs["train"], labels["train"], inputs["val"],
-                   labels["val"], inputs["test"], labels["test"]), path)
+    return client_data(client_id, {name: (inputs[name], labels[name]) for name in inputs}, path)
 
 
 def load_arrays_source(request: SourceRequest) -> ClientData:

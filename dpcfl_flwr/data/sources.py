@@ -41,6 +41,10 @@ BUILT_IN = {
     "table": "dpcfl_flwr.data.table:load_table",
 }
 
+#: The built-in sources that read records as stored, without the federation's schema (the
+#: schema is checked after): a silo can read them before a run tells it the schema.
+SCHEMA_FREE_SOURCES = ("benchmark", "arrays")
+
 #: The splits a source returns; validation may be empty.
 SPLITS = ("train", "val", "test")
 

@@ -25,7 +25,7 @@ from ..config.settings import ExperimentConfig, SiloConfig
 from ..data import ClientData, DataError
 from ..data.arrays import check_schema
 from ..data.schema import Schema
-from ..data.sources import SourceRequest, load_records
+from ..data.sources import SCHEMA_FREE_SOURCES, SourceRequest, load_records
 from ..dpsgd.per_sample import engine_name
 from ..dpsgd.training import (
     DPSGDConfig,
@@ -91,8 +91,6 @@ def _client_data(silo: SiloConfig, schema: Schema | None) -> ClientData:
     return load_records(silo.data_source, request)
 
 
-#: The sources that read records without the federation's schema (it is checked after).
-_SCHEMA_FREE_SOURCES = ("benchmark", "arrays")
 #: What such a source is handed before a run's schema is known: it reads records as stored.
 _SCHEMA_FREE = Schema((1,), 2)
 
@@ -101,7 +99,7 @@ def client_records(settings: SiloConfig, schema: Schema | None) -> ClientData:
     """A resolved silo's records, built to ``schema`` (None: not known yet; only a source
     that reads records as stored, the benchmarks and arrays, can do without). The schema is
     not checked here (:func:`~..data.arrays.check_schema`)."""
-    if settings.data_source in _SCHEMA_FREE_SOURCES:
+    if settings.data_source in SCHEMA_FREE_SOURCES:
         return _client_data(settings, None)
     if schema is None:
         raise DataError(f"data-source {settings.data_source} builds records to the "
@@ -120,7 +118,7 @@ def records_problem(settings: SiloConfig, schema: Schema | None = None) -> str |
     try:
         if settings.data_source == "benchmark":
             settings.topology.cluster_of(settings.partition_id)
-        if schema is None and settings.data_source not in _SCHEMA_FREE_SOURCES:
+        if schema is None and settings.data_source not in SCHEMA_FREE_SOURCES:
             if not Path(settings.data_path).exists():
                 raise DataError(f"{settings.data_path}: no such file or directory")
             return None
