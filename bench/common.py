@@ -16,9 +16,10 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 HISTORY = RESULTS.with_name("history")
@@ -161,6 +162,22 @@ def publish(title: str, body: str, append: bool, *, results: Path = RESULTS,
         append_results(title, body, results=results, history=history, bench=bench)
     else:
         print(body)
+
+
+def compare_grid(config: Path, methods: str, seeds: str, out: Path, settings: dict[str, Any],
+                 rules: Sequence[str] | None = None, epsilons: str = "1") -> None:
+    """One ``dpcfl compare`` grid (its finished cells are kept, so a study resumes where it
+    stopped); ``settings`` are ``--set`` overrides, ``rules`` its aggregation axis. A grid that
+    does not finish stops the study with a line saying how to continue."""
+    command = [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--config", str(config),
+               "--methods", methods, "--epsilons", epsilons, "--seeds", seeds, "--out", str(out)]
+    if rules:
+        command += ["--aggregations", ",".join(rules)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    print("$", " ".join(command[1:]), flush=True)
+    if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
+        raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
 
 
 def simulate_quick(out: Path, **overrides: object) -> tuple[float, dict]:

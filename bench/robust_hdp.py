@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import REPO, publish  # noqa: E402
+from bench.common import REPO, compare_grid, publish  # noqa: E402
 from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 
 OUT = REPO / "results" / "robust-hdp"
@@ -44,19 +43,6 @@ CLUSTERED_RULES = ("uniform", "robust-hdp")
 LEARNING_RATE_RULES = ("samples", "robust-hdp")
 LARGER_LEARNING_RATE = 0.005  # Dist8 at Dist2's rate (paper 002 Table 9: Robust-HDP bears more)
 LIARS = 3
-
-
-def compare(config: Path, method: str, rules: tuple[str, ...], seeds: str, out: Path,
-            settings: dict[str, Any]) -> None:
-    """One ``dpcfl compare`` grid (finished cells are kept); stops the study if it fails."""
-    command = [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--config", str(config),
-               "--methods", method, "--aggregations", ",".join(rules), "--epsilons", "1",
-               "--seeds", seeds, "--out", str(out)]
-    for key, value in settings.items():
-        command += ["--set", f"{key}={value}"]
-    print("$", " ".join(command[1:]), flush=True)
-    if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
-        raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
 
 
 def runs(out: Path, method: str, rule: str) -> list[dict[str, Any]]:
@@ -141,8 +127,8 @@ def accuracy(results: list[dict[str, Any]], key: str = "mean_accuracy") -> list[
 def rules_part(seeds: str) -> str:
     config = REPO / "examples" / "robust-hdp-cpu.toml"
     for dist, lr in DISTS.items():
-        compare(config, "global", RULES, seeds, OUT / dist,
-                {"silo-epsilons": dist, "learning-rate": lr})
+        compare_grid(config, "global", seeds, OUT / dist,
+                     {"silo-epsilons": dist, "learning-rate": lr}, rules=RULES)
     header = "| rule | " + " | ".join(DISTS) + " |\n|---|" + "---|" * len(DISTS)
     acc, noise, rel, corr, moved, every = [], [], [], [], [], []
     for rule in RULES:
@@ -188,9 +174,10 @@ def attack_part(seeds: str) -> str:
     liars = noisiest(LIARS)
     config = REPO / "examples" / "robust-hdp-cpu.toml"
     out = OUT / "attack-dist2"
-    compare(config, "global", ATTACK_RULES, seeds, out,
-            {"silo-epsilons": "dist2", "learning-rate": DISTS["dist2"],
-             "lying-silos": ",".join(map(str, liars)), "lie-factor": 10})
+    compare_grid(config, "global", seeds, out,
+                 {"silo-epsilons": "dist2", "learning-rate": DISTS["dist2"],
+                  "lying-silos": ",".join(map(str, liars)), "lie-factor": 10},
+                 rules=ATTACK_RULES)
     lines = ["| rule | honest accuracy (%) | attacked accuracy (%) | honest noise level | "
              "attacked noise level |", "|---|---|---|---|---|"]
     every = []
@@ -211,8 +198,9 @@ def learning_rate_part(seeds: str) -> str:
     take the larger steps that DP-FedAvg's noise forbids (paper 002 §4.2, Table 9)?"""
     base = DISTS["dist8"]
     out = OUT / f"dist8-lr{LARGER_LEARNING_RATE:g}"
-    compare(REPO / "examples" / "robust-hdp-cpu.toml", "global", LEARNING_RATE_RULES, seeds,
-            out, {"silo-epsilons": "dist8", "learning-rate": LARGER_LEARNING_RATE})
+    compare_grid(REPO / "examples" / "robust-hdp-cpu.toml", "global", seeds, out,
+                 {"silo-epsilons": "dist8", "learning-rate": LARGER_LEARNING_RATE},
+                 rules=LEARNING_RATE_RULES)
     lines = [f"| rule | accuracy at lr {base:g} (%) | accuracy at lr {LARGER_LEARNING_RATE:g} "
              "(%) | paired difference (points) |", "|---|---|---|---|"]
     every = []
@@ -232,8 +220,9 @@ def learning_rate_part(seeds: str) -> str:
 def clustered_part(seeds: str) -> str:
     eps = ",".join(f"{5 * DISTRIBUTIONS['dist2'][i % 20]:g}" for i in range(21))
     out = OUT / "clustered"
-    compare(REPO / "examples" / "quick.toml", "rdpcfl", CLUSTERED_RULES, seeds, out,
-            {"silo-epsilons": eps, "silo-batch-sizes": "paper", "rpca-min-silos": 3})
+    compare_grid(REPO / "examples" / "quick.toml", "rdpcfl", seeds, out,
+                 {"silo-epsilons": eps, "silo-batch-sizes": "paper", "rpca-min-silos": 3},
+                 rules=CLUSTERED_RULES)
     lines = ["| per-cluster rule | accuracy (%) | minority (%) | structure found | "
              "noise level |", "|---|---|---|---|---|"]
     every = []

@@ -1,0 +1,303 @@
+"""Does R-DPCFL's round-1 clustering survive budgets that differ from silo to silo?
+
+Fashion-MNIST rotation {3, 6, 6, 6}, N_i = 1000 (examples/fmnist-cpu-1000.toml: E = 15,
+lr = 0.03, b = 32, clip 3), 21 silos whose budgets follow one of four spreads, each scaled to
+a median epsilon of 5 so that only the spread changes:
+
+- ``equal``: every silo epsilon 5;
+- ``dist2``: 5 x paper 002's Dist2 (1.0 .. 27, 27x between the extremes);
+- ``dist8``: 25 x paper 002's Dist8 (4.3 .. 15.5, 3.6x; most silos at the bottom);
+- ``x100``: 21 budgets spaced evenly in log from 0.5 to 50 (100x).
+
+A *budget draw* says which silo gets which budget: draw 0 gives silo i the spread's value
+i mod 20 (the paper's order); draw d > 0 a permutation of those values seeded by d.
+
+Two parts:
+
+1. ``round-one`` (minutes): round 1 alone, many seeds and draws. Round 1 is one full-batch
+   DP-SGD step, so silo i's update is its clean (clipped, noise-free) update plus Gaussian
+   noise of per-coordinate variance v_i = (lr z_i C / N_i)^2, z_i being the noise multiplier
+   its own plan gives its budget (docs/algorithm.md#noise-aware-clustering). The clean updates
+   are computed once per seed; each spread and draw adds its own noise. Reported per mixture:
+   round-1 ARI over all silos and over the *separable* silos, and the silos placed with
+   responsibility > 0.9 in a wrong cluster. A silo is separable when the Bayes rule that
+   knows the clean cluster means would place it wrongly with probability below
+   Phi(-2) = 2.3%: d_i / (2 sqrt(v_i + s_k^2)) >= 2, d_i being the distance from its cluster's
+   clean mean to the nearest other cluster's, s_k^2 its cluster's clean per-coordinate spread.
+2. ``runs`` (hours, resumable): whole runs as ``dpcfl compare`` grids, 3 seeds, for today's
+   spherical GMM, the noise-aware mixture, DP-FedAvg (``global``) and the oracle: round-1
+   ARI, final ARI, exact partitions, mean and minority accuracy. Finished cells are kept:
+   stop at any time and run the same command again to continue.
+
+  nice python bench/noise_aware_study.py [--parts round-one,runs] [--seeds 0,1,2]
+      [--spreads dist8,equal,dist2,x100] [--draws 0,1] [--no-append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from sklearn.metrics import adjusted_rand_score
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import REPO, compare_grid, publish  # noqa: E402
+from dpcfl_flwr.clustering import NoiseAwareClusterer, UpdateClusterer  # noqa: E402
+from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
+from dpcfl_flwr.data import Topology, load_dataset, make_client_data  # noqa: E402
+from dpcfl_flwr.dpsgd.training import DPSGDConfig  # noqa: E402
+from dpcfl_flwr.privacy.budget import plan_noise  # noqa: E402
+from dpcfl_flwr.privacy.schedule import two_stage_schedule  # noqa: E402
+from dpcfl_flwr.runs.round_one import round_one_updates  # noqa: E402
+
+CONFIG = REPO / "examples" / "fmnist-cpu-1000.toml"
+OUT = REPO / "results" / "noise-aware-study"
+TOPOLOGY = (3, 6, 6, 6)
+SILOS = sum(TOPOLOGY)
+MEDIAN_EPSILON = 5.0
+SPREADS = ("dist8", "equal", "dist2", "x100")
+# The run config's values (examples/fmnist-cpu-1000.toml), which the round-one part needs to
+# plan each silo's z as the silo does: N_i drawn as samples-per-client, a quarter kept for
+# validation; select-window 0.2 of 15 rounds = 3 private selections at 3% of epsilon each.
+SAMPLES, ROUNDS, BATCH, LEARNING_RATE, CLIP, DELTA = 1000, 15, 32, 0.03, 3.0, 1e-4
+SELECT_ROUNDS, SELECT_RATIO = 3, 0.03
+CONFIDENT = 0.9
+SEPARABLE_MARGIN = 2.0  # d / (2 sigma) >= 2: Bayes error below Phi(-2) = 2.3%
+# Each mixture as the rdpcfl method's parameters select it.
+MIXTURES = {"spherical": {"rdpcfl.clustering": "spherical"},
+            "noise-aware": {"rdpcfl.clustering": "noise-aware"}}
+
+
+def budgets(spread: str, draw: int) -> list[float]:
+    """The 21 silos' epsilons of one spread and budget draw (module docstring)."""
+    if spread == "equal":
+        values = [MEDIAN_EPSILON] * SILOS
+    elif spread == "x100":
+        values = list(np.geomspace(MEDIAN_EPSILON / 10, MEDIAN_EPSILON * 10, SILOS))
+    elif spread in ("dist2", "dist8"):
+        preset = DISTRIBUTIONS[spread]
+        scale = MEDIAN_EPSILON / float(np.median(preset))
+        values = [preset[i % len(preset)] * scale for i in range(SILOS)]
+    else:
+        raise SystemExit(f"unknown spread {spread!r}; choose from {', '.join(SPREADS)}")
+    if draw:
+        values = list(np.random.default_rng(draw).permutation(values))
+    return [round(float(v), 3) for v in values]
+
+
+def noise_multiplier(epsilon: float, num_train: int) -> float:
+    """z of a silo's plan: the two-stage schedule (round 1 full batch), 3 selections."""
+    schedule = two_stage_schedule(num_train, BATCH, 1, ROUNDS, "full")
+    return plan_noise(schedule, epsilon, DELTA, SELECT_ROUNDS, SELECT_RATIO).noise_multiplier
+
+
+def truth_labels() -> np.ndarray:
+    return np.repeat(np.arange(len(TOPOLOGY)), TOPOLOGY)
+
+
+def separable(clean: np.ndarray, variances: np.ndarray) -> np.ndarray:
+    """Per silo: can the Bayes rule that knows the clean cluster means place it (error below
+    Phi(-SEPARABLE_MARGIN))? See the module docstring."""
+    truth = truth_labels()
+    means = np.stack([clean[truth == k].mean(axis=0) for k in range(len(TOPOLOGY))])
+    p = clean.shape[1]
+    spread = np.array([((clean[truth == k] - means[k]) ** 2).sum(axis=1).mean() / p
+                       for k in range(len(TOPOLOGY))])
+    distance = np.array([min(np.linalg.norm(means[k] - means[m]) for m in range(len(TOPOLOGY))
+                             if m != k) for k in range(len(TOPOLOGY))])
+    margin = distance[truth] / (2 * np.sqrt(variances + spread[truth]))
+    return margin >= SEPARABLE_MARGIN
+
+
+def confidently_wrong(labels: np.ndarray, responsibilities: np.ndarray) -> int:
+    """Silos whose largest responsibility exceeds CONFIDENT in a cluster that the best
+    one-to-one matching of found to true clusters maps to another true cluster."""
+    truth = truth_labels()
+    found = responsibilities.shape[1]
+    overlap = np.zeros((found, len(TOPOLOGY)))
+    for f, t in zip(labels, truth, strict=True):
+        overlap[f, t] += 1
+    rows, cols = linear_sum_assignment(-overlap)
+    mapped = dict(zip(rows, cols, strict=True))
+    return int(sum(1 for i, f in enumerate(labels)
+                   if responsibilities[i].max() > CONFIDENT and mapped.get(f, -1) != truth[i]))
+
+
+def clean_updates(seed: int) -> tuple[np.ndarray, int]:
+    """The 21 silos' round-1 updates without noise (z = 1e-9), and N_i (training records)."""
+    train, test = load_dataset("fmnist", None)
+    topology = Topology(TOPOLOGY)
+    clients = [make_client_data(train, test, i, topology, "rotation", SAMPLES, seed=seed,
+                                test_samples=1) for i in range(SILOS)]
+    num_train = len(clients[0].y_train)
+    config = DPSGDConfig(1e-9, CLIP, LEARNING_RATE, "full")
+    return round_one_updates(clients, "cnn", config, init_seed=seed, noise_seed=seed), num_train
+
+
+def fit(mixture: str, updates: np.ndarray, variances: np.ndarray, seed: int) -> UpdateClusterer:
+    if mixture == "noise-aware":
+        return NoiseAwareClusterer(4, random_state=seed, n_components=None).fit(
+            updates, list(variances))
+    return UpdateClusterer(4, random_state=seed, n_components=None).fit(updates)
+
+
+def round_one(seeds: Sequence[int], spreads: Sequence[str], draws: Sequence[int],
+              noise_draws: int) -> str:
+    """Part 1 (module docstring): one row per spread and mixture over seeds x draws x noise."""
+    truth = truth_labels()
+    stats: dict[tuple[str, str], dict[str, list[float]]] = {}
+    separable_count: dict[str, list[int]] = {}
+    started = time.perf_counter()
+    for seed in seeds:
+        clean, num_train = clean_updates(seed)
+        print(f"seed {seed}: clean updates ({time.perf_counter() - started:.0f} s)", flush=True)
+        for spread in spreads:
+            for draw in (draws if spread != "equal" else [0]):
+                epsilons = budgets(spread, draw)
+                z = np.array([noise_multiplier(e, num_train) for e in epsilons])
+                variances = (LEARNING_RATE * z * CLIP / num_train) ** 2
+                can = separable(clean, variances)
+                separable_count.setdefault(spread, []).append(int(can.sum()))
+                for trial in range(noise_draws):
+                    rng = np.random.default_rng([seed, draw, trial])
+                    noisy = clean + rng.standard_normal(clean.shape) * np.sqrt(variances)[:, None]
+                    for mixture in MIXTURES:
+                        fitted = fit(mixture, noisy.astype(np.float32), variances, seed)
+                        labels = np.asarray(fitted.labels_)
+                        row = stats.setdefault((spread, mixture), {})
+                        row.setdefault("ari", []).append(adjusted_rand_score(truth, labels))
+                        row.setdefault("ari_separable", []).append(
+                            adjusted_rand_score(truth[can], labels[can]) if can.sum() >= 2
+                            else math.nan)
+                        row.setdefault("wrong", []).append(confidently_wrong(
+                            labels, np.asarray(fitted.responsibilities_)))
+                        row.setdefault("exact", []).append(
+                            float(adjusted_rand_score(truth, labels) == 1.0))
+    lines = ["| spread (epsilons) | mixture | round-1 ARI | ARI, separable silos | "
+             "separable silos | exact | silos confidently wrong (total) |",
+             "|---|---|---|---|---|---|---|"]
+    for spread in spreads:
+        values = budgets(spread, 0)
+        for mixture in MIXTURES:
+            row = stats[(spread, mixture)]
+            lines.append(
+                f"| {spread} ({min(values):g}..{max(values):g}) | {mixture} | "
+                f"{_mean_sd(row['ari'])} | {_mean_sd(row['ari_separable'])} | "
+                f"{np.mean(separable_count[spread]):.1f} of {SILOS} | "
+                f"{int(sum(row['exact']))}/{len(row['exact'])} | {int(sum(row['wrong']))} |")
+    trials = len(seeds) * noise_draws
+    return (f"Round 1 alone: the clean full-batch updates of seeds {list(seeds)} plus the DP "
+            f"noise of each silo's plan, draws {list(draws)} of each spread, {noise_draws} "
+            f"noise draws each ({trials} trials per draw); M = 4, the projection on M - 1 "
+            f"axes, noise-aware with v_i the larger of plan and estimate.\n\n"
+            + "\n".join(lines)
+            + f"\n\n{time.perf_counter() - started:.0f} s in all.")
+
+
+def _mean_sd(values: Sequence[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "n/a"
+    return f"{np.mean(finite):.2f} ± {np.std(finite):.2f}"
+
+
+def grid_out(spread: str, draw: int) -> Path:
+    return OUT / "runs" / f"{spread}-draw{draw}"
+
+
+def run_grids(seeds: str, spreads: Sequence[str], draws: Sequence[int]) -> None:
+    """Part 2's grids, the noise-aware mixture first (the question), then today's, then the
+    baselines; each cell resumable."""
+    for spread in spreads:
+        for draw in (draws if spread != "equal" else [0]):
+            settings = {"silo-epsilons": ",".join(f"{e:g}" for e in budgets(spread, draw))}
+            out = grid_out(spread, draw)
+            for mixture in ("noise-aware", "spherical"):
+                compare_grid(CONFIG, "rdpcfl", seeds, out / mixture,
+                             {**settings, **MIXTURES[mixture]}, epsilons="5")
+            compare_grid(CONFIG, "global,oracle", seeds, out / "baselines", settings,
+                         epsilons="5")
+
+
+def _results(path: Path) -> list[dict[str, Any]]:
+    found = []
+    for file in sorted(path.glob("*/eps*/seed*/results.json")):
+        results = json.loads(file.read_text())
+        if results.get("complete"):
+            found.append(results)
+    return found
+
+
+def runs_table(spreads: Sequence[str], draws: Sequence[int]) -> str:
+    lines = ["| spread | method | runs | round-1 ARI | confidently wrong in round 1 | "
+             "final ARI | exact partition | mean acc (%) | minority acc (%) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for spread in spreads:
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for draw in (draws if spread != "equal" else [0]):
+            out = grid_out(spread, draw)
+            for mixture in MIXTURES:
+                rows.setdefault(f"rdpcfl, {mixture}", []).extend(_results(out / mixture))
+            for results in _results(out / "baselines"):
+                rows.setdefault(results["method"], []).append(results)
+        for name, found in rows.items():
+            if not found:
+                continue
+            clustering = [r["clustering"] for r in found]
+            summary = [r["summary"] for r in found]
+            r1 = [c["ari"] for c in clustering if "ari" in c]
+            final = [c["final_ari"] for c in clustering if "final_ari" in c]
+            wrong = [confidently_wrong(np.asarray(c["labels"]), np.asarray(c["responsibilities"]))
+                     for c in clustering if "labels" in c]
+            lines.append(
+                f"| {spread} | {name} | {len(found)} | {_mean_sd(r1) if r1 else '-'} | "
+                f"{sum(wrong) if wrong else '-'} | {_mean_sd(final) if final else '-'} | "
+                f"{sum(1 for f in final if f == 1.0) if final else '-'}"
+                f"{'/' + str(len(final)) if final else ''} | "
+                f"{_mean_sd([100 * s['mean_accuracy'] for s in summary])} | "
+                f"{_mean_sd([100 * s['minority_accuracy'] for s in summary])} |")
+    return ("Whole runs (`dpcfl compare`, examples/fmnist-cpu-1000.toml, silo-epsilons of the "
+            f"spread and draw; draws {list(draws)}), mean ± sd over the finished runs:\n\n"
+            + "\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="round-one,runs")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--spreads", default=",".join(SPREADS))
+    parser.add_argument("--draws", default="0,1")
+    parser.add_argument("--noise-draws", type=int, default=4,
+                        help="round-one: noise draws per seed and budget draw")
+    parser.add_argument("--table-only", action="store_true",
+                        help="runs: tabulate the finished cells, run nothing")
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    parts = args.parts.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    spreads = args.spreads.split(",")
+    draws = [int(d) for d in args.draws.split(",")]
+    for spread in spreads:
+        budgets(spread, 0)  # an unknown spread stops here, before any work
+    if "round-one" in parts:
+        publish("Noise-aware clustering: round 1 under budget spreads",
+                round_one(seeds, spreads, draws, args.noise_draws), append=not args.no_append)
+    if "runs" in parts:
+        if not args.table_only:
+            run_grids(args.seeds, spreads, draws)
+        publish("Noise-aware clustering: whole runs under budget spreads",
+                runs_table(spreads, draws), append=not args.no_append)
+
+
+if __name__ == "__main__":
+    main()
