@@ -20,16 +20,24 @@ Two parts:
    its own plan gives its budget (docs/algorithm.md#noise-aware-clustering). The clean updates
    are computed once per seed; each spread and draw adds its own noise. Reported per mixture:
    round-1 ARI over all silos and over the *separable* silos, and the silos placed with
-   responsibility > 0.9 in a wrong cluster. A silo is separable when the Bayes rule that
-   knows the clean cluster means would place it wrongly with probability below
+   responsibility > 0.9 in a wrong cluster. A silo is *separable* when two things hold.
+   (a) Its cluster can be seen at all: after whitening each update by its own noise, the
+   cluster's direction stands out of the noise of n updates in p coordinates only above the
+   spiked-model (BBP) threshold, sum over the cluster's silos j of ||mu_k - mu||^2 / v_j >
+   sqrt(n p), mu_k being the cluster's clean mean and mu the mean of all clean updates.
+   (b) Knowing the clean means, the Bayes rule would place it wrongly with probability below
    Phi(-2) = 2.3%: d_i / (2 sqrt(v_i + s_k^2)) >= 2, d_i being the distance from its cluster's
    clean mean to the nearest other cluster's, s_k^2 its cluster's clean per-coordinate spread.
-2. ``runs`` (hours, resumable): whole runs as ``dpcfl compare`` grids, 3 seeds, for today's
+2. ``round-one-share`` (seconds): could a silo with a small budget buy a cleaner round 1 by
+   giving it a larger share of its budget? Per epsilon: what the full-batch round 1 spends on
+   its own at today's z, and how much less round-1 noise (std) the silo gets if its later
+   rounds take 1.5x, 2x or 4x today's z, or if round 1 took the whole training budget.
+3. ``runs`` (hours, resumable): whole runs as ``dpcfl compare`` grids, 3 seeds, for today's
    spherical GMM, the noise-aware mixture, DP-FedAvg (``global``) and the oracle: round-1
    ARI, final ARI, exact partitions, mean and minority accuracy. Finished cells are kept:
    stop at any time and run the same command again to continue.
 
-  nice python bench/noise_aware_study.py [--parts round-one,runs] [--seeds 0,1,2]
+  nice python bench/noise_aware_study.py [--parts round-one,round-one-share,runs] [--seeds 0,1,2]
       [--spreads dist8,equal,dist2,x100] [--draws 0,1] [--no-append]
 """
 
@@ -55,7 +63,9 @@ from dpcfl_flwr.clustering import NoiseAwareClusterer, UpdateClusterer  # noqa: 
 from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data  # noqa: E402
 from dpcfl_flwr.dpsgd.training import DPSGDConfig  # noqa: E402
+from dpcfl_flwr.privacy.accountants import accountant_named  # noqa: E402
 from dpcfl_flwr.privacy.budget import plan_noise  # noqa: E402
+from dpcfl_flwr.privacy.history import DEFAULT_ACCOUNTANT, History  # noqa: E402
 from dpcfl_flwr.privacy.schedule import two_stage_schedule  # noqa: E402
 from dpcfl_flwr.runs.round_one import round_one_updates  # noqa: E402
 
@@ -66,8 +76,8 @@ SILOS = sum(TOPOLOGY)
 MEDIAN_EPSILON = 5.0
 SPREADS = ("dist8", "equal", "dist2", "x100")
 # The run config's values (examples/fmnist-cpu-1000.toml), which the round-one part needs to
-# plan each silo's z as the silo does: N_i drawn as samples-per-client, a quarter kept for
-# validation; select-window 0.2 of 15 rounds = 3 private selections at 3% of epsilon each.
+# plan each silo's z as the silo does: N_i = samples-per-client training records (validation
+# records are drawn besides them); select-window 0.2 of 15 rounds = 3 private selections at 3% of epsilon each.
 SAMPLES, ROUNDS, BATCH, LEARNING_RATE, CLIP, DELTA = 1000, 15, 32, 0.03, 3.0, 1e-4
 SELECT_ROUNDS, SELECT_RATIO = 3, 0.03
 CONFIDENT = 0.9
@@ -105,17 +115,20 @@ def truth_labels() -> np.ndarray:
 
 
 def separable(clean: np.ndarray, variances: np.ndarray) -> np.ndarray:
-    """Per silo: can the Bayes rule that knows the clean cluster means place it (error below
-    Phi(-SEPARABLE_MARGIN))? See the module docstring."""
+    """Per silo: does theory say round 1 can place it ((a) and (b) of the module docstring)?"""
     truth = truth_labels()
-    means = np.stack([clean[truth == k].mean(axis=0) for k in range(len(TOPOLOGY))])
-    p = clean.shape[1]
+    clusters = range(len(TOPOLOGY))
+    means = np.stack([clean[truth == k].mean(axis=0) for k in clusters])
+    n, p = clean.shape
+    signal = np.array([np.sum((means[k] - clean.mean(axis=0)) ** 2) for k in clusters])
+    visible = np.array([np.sum(signal[k] / variances[truth == k]) > math.sqrt(n * p)
+                        for k in clusters])
     spread = np.array([((clean[truth == k] - means[k]) ** 2).sum(axis=1).mean() / p
-                       for k in range(len(TOPOLOGY))])
-    distance = np.array([min(np.linalg.norm(means[k] - means[m]) for m in range(len(TOPOLOGY))
-                             if m != k) for k in range(len(TOPOLOGY))])
+                       for k in clusters])
+    distance = np.array([min(np.linalg.norm(means[k] - means[m]) for m in clusters if m != k)
+                         for k in clusters])
     margin = distance[truth] / (2 * np.sqrt(variances + spread[truth]))
-    return margin >= SEPARABLE_MARGIN
+    return visible[truth] & (margin >= SEPARABLE_MARGIN)
 
 
 def confidently_wrong(labels: np.ndarray, responsibilities: np.ndarray) -> int:
@@ -203,6 +216,38 @@ def round_one(seeds: Sequence[int], spreads: Sequence[str], draws: Sequence[int]
             + f"\n\n{time.perf_counter() - started:.0f} s in all.")
 
 
+def round_one_share(epsilons: Sequence[float] = (0.5, 1, 2, 5, 15)) -> str:
+    """Part 2 (module docstring), under the silo's own accountant (RDP) and the default split
+    of its budget between training and selections."""
+    accountant = accountant_named(DEFAULT_ACCOUNTANT)
+    num_train = SAMPLES
+    phases = two_stage_schedule(num_train, BATCH, 1, ROUNDS, "full")
+    later = phases[1]
+    lines = ["| epsilon | z today | round 1 alone spends (of eps_train) | round-1 noise std "
+             "less by, later rounds at 1.5x / 2x / 4x z | round 1 with the whole budget |",
+             "|---|---|---|---|---|"]
+    for epsilon in epsilons:
+        plan = plan_noise(phases, epsilon, DELTA, SELECT_ROUNDS, SELECT_RATIO)
+        z, train = plan.noise_multiplier, plan.split.epsilon_train
+        alone = accountant.epsilon(History(gaussian=((z, 1.0, 1),)), DELTA)
+        floor = plan_noise(phases[:1], epsilon, DELTA, SELECT_ROUNDS,
+                           SELECT_RATIO).noise_multiplier
+        gains = []
+        for factor in (1.5, 2.0, 4.0):
+            low, high = floor, z  # bisection: the least z1 that still fits eps_train
+            for _ in range(40):
+                middle = (low + high) / 2
+                spent = accountant.epsilon(History(gaussian=(
+                    (middle, 1.0, 1), (factor * z, later.sample_rate, later.steps))), DELTA)
+                low, high = (low, middle) if spent <= train else (middle, high)
+            gains.append(f"{z / high:.2f}x")
+        lines.append(f"| {epsilon:g} | {z:.2f} | {alone:.2f} of {train:.2f} "
+                     f"({alone / train:.0%}) | {' / '.join(gains)} | {z / floor:.2f}x |")
+    return (f"N_i = {num_train} training records, E = {ROUNDS}, b = {BATCH}, "
+            f"{SELECT_ROUNDS} selections at {SELECT_RATIO:.0%} of epsilon, delta {DELTA:g}; "
+            "RDP accountant, split budget mode.\n\n" + "\n".join(lines))
+
+
 def _mean_sd(values: Sequence[float]) -> str:
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
@@ -272,7 +317,7 @@ def runs_table(spreads: Sequence[str], draws: Sequence[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--parts", default="round-one,runs")
+    parser.add_argument("--parts", default="round-one,round-one-share,runs")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--spreads", default=",".join(SPREADS))
     parser.add_argument("--draws", default="0,1")
@@ -292,6 +337,9 @@ def main() -> None:
     if "round-one" in parts:
         publish("Noise-aware clustering: round 1 under budget spreads",
                 round_one(seeds, spreads, draws, args.noise_draws), append=not args.no_append)
+    if "round-one-share" in parts:
+        publish("Noise-aware clustering: a larger round-1 share of a small budget",
+                round_one_share(), append=not args.no_append)
     if "runs" in parts:
         if not args.table_only:
             run_grids(args.seeds, spreads, draws)

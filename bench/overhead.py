@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, publish  # noqa: E402
 from bench.process_cpu import ProcessCpuSampler  # noqa: E402
-from dpcfl_flwr.config.config_file import load_config  # noqa: E402
+from dpcfl_flwr.config.config_file import load_config, toml_value  # noqa: E402
 from dpcfl_flwr.config.settings import parse_run_config  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment, silo_flags  # noqa: E402
 from dpcfl_flwr.runs.simulation import run_simulation  # noqa: E402
@@ -79,12 +79,17 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
         config = quick(rounds, deployment.root / "run", scale)
         for i in range(deployment.silos):
             deployment.silo(i, *silo_flags(config), *silo_options)
-        values = {k: (f'"{v}"' if isinstance(v, str) else repr(v)) for k, v in config.items()
+        values = {k: toml_value(v) for k, v in config.items()
                   if k not in ("clusters", "out-dir")}
-        values["round-timeout"] = 600.0  # a lost reply fails the bench in minutes, not an hour
+        values["round-timeout"] = toml_value(600.0)  # a lost reply fails in minutes
         run = deployment.flwr_run("run", REPO, **values)
-        run.wait(timeout=7200)
-        return json.loads((deployment.root / "run" / "results.json").read_text())
+        code = run.wait(timeout=7200)
+        results = deployment.root / "run" / "results.json"
+        if code != 0 or not results.exists():
+            lines = [line for line in deployment.log("run").splitlines() if line.strip()]
+            raise SystemExit(f"flwr run failed (exit {code}), so the gRPC overhead cannot be "
+                             f"measured: {lines[-1] if lines else 'no output'}")
+        return json.loads(results.read_text())
     finally:
         deployment.down()
 
