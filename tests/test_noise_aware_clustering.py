@@ -3,6 +3,8 @@ on synthetic mixtures whose right answer is known, and R-DPCFL selecting it."""
 
 from __future__ import annotations
 
+import logging
+
 import math
 
 import numpy as np
@@ -261,8 +263,12 @@ def test_rdpcfl_noise_aware_clustering_through_the_strategy(server_task_identity
     assert strategy.method.switch == math.floor((1 - outcome.mpo) * 4 / 2)
 
 
-def test_rdpcfl_default_is_todays_spherical_gmm(server_task_identity):
-    strategy, _ = _run("spherical")
+def test_rdpcfl_default_is_todays_spherical_gmm(server_task_identity, caplog):
+    with caplog.at_level(logging.WARNING):
+        strategy, _ = _run("spherical")
+    # the silos report 100x different noise variances: the operator is told what to use
+    assert any("differ 100x" in r.getMessage() and "noise-aware" in r.getMessage()
+               for r in caplog.records)
     outcome = strategy.method.clustering
     assert outcome.mixture == "spherical" and outcome.noise_variances is None
     assert not _same_partition(np.array(outcome.labels), np.array(TRUTH)[outcome.partitions])

@@ -57,6 +57,25 @@ class RDPCFLParams(SelectionParams):
         return "full" if self.first_batch == "full" else int(self.first_batch)
 
 
+#: Round-1 noise variances differing by more than this factor (2x in noise std) make the
+#: spherical mixture cluster silos by noise level rather than by data: on Fashion-MNIST with
+#: 25 x Dist8 budgets (variances 5x apart) its round-1 ARI was 0.71 against the noise-aware
+#: mixture's 1.00 (bench/RESULTS.md, noise-aware clustering).
+NOISE_SPREAD_WARNING = 4.0
+
+
+def _warn_if_noise_differs(planned: list[float | None]) -> None:
+    """Tell the operator of a spherical run when its silos' reported round-1 noise differs
+    enough for the noise-aware mixture to matter (docs/algorithm.md#noise-aware-clustering)."""
+    reported = [v for v in planned if v is not None and v > 0]
+    if len(reported) >= 2 and max(reported) > NOISE_SPREAD_WARNING * min(reported):
+        logger.warning(
+            "round 1: the silos' reported noise variances differ %.0fx (their budgets or "
+            "record counts differ); the spherical mixture may cluster them by noise level. "
+            "[rdpcfl] clustering = \"noise-aware\" accounts for each silo's own noise",
+            max(reported) / min(reported))
+
+
 @dataclass
 class ClusteringOutcome:
     """What the server learnt from round 1, for results and plots
@@ -188,6 +207,7 @@ class RDPCFL(Method):
                 n_components=p.pca_components or None, noise_source=p.noise_source,
             ).fit(matrix, self._planned_noise(replies, partitions))
         else:
+            _warn_if_noise_differs(self._planned_noise(replies, partitions))
             fitted = UpdateClusterer(p.n_clusters or None, candidates, random_state=e.seed,
                                      n_components=p.pca_components or None).fit(matrix)
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
