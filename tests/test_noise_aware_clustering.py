@@ -4,7 +4,6 @@ on synthetic mixtures whose right answer is known, and R-DPCFL selecting it."""
 from __future__ import annotations
 
 import logging
-
 import math
 
 import numpy as np
