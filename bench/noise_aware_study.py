@@ -38,7 +38,8 @@ Two parts:
    stop at any time and run the same command again to continue.
 
   nice python bench/noise_aware_study.py [--parts round-one,round-one-share,runs] [--seeds 0,1,2]
-      [--spreads dist8,equal,dist2,x100] [--draws 0,1] [--no-append]
+      [--spreads dist8,equal,dist2,x100] [--draws 0,1] [--variants noise-aware,spherical,...]
+      [--table-only] [--no-append]
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ MEDIAN_EPSILON = 5.0
 SPREADS = ("dist8", "equal", "dist2", "x100")
 # The run config's values (examples/fmnist-cpu-1000.toml), which the round-one part needs to
 # plan each silo's z as the silo does: N_i = samples-per-client training records (validation
-# records are drawn besides them); select-window 0.2 of 15 rounds = 3 private selections at 3% of epsilon each.
+# records are drawn besides them); select-window 0.2 of 15 rounds = 3 private selections at
+# 3% of epsilon each.
 SAMPLES, ROUNDS, BATCH, LEARNING_RATE, CLIP, DELTA = 1000, 15, 32, 0.03, 3.0, 1e-4
 SELECT_ROUNDS, SELECT_RATIO = 3, 0.03
 CONFIDENT = 0.9
@@ -259,18 +261,22 @@ def grid_out(spread: str, draw: int) -> Path:
     return OUT / "runs" / f"{spread}-draw{draw}"
 
 
-def run_grids(seeds: str, spreads: Sequence[str], draws: Sequence[int]) -> None:
-    """Part 2's grids, the noise-aware mixture first (the question), then today's, then the
-    baselines; each cell resumable."""
-    for spread in spreads:
-        for draw in (draws if spread != "equal" else [0]):
-            settings = {"silo-epsilons": ",".join(f"{e:g}" for e in budgets(spread, draw))}
-            out = grid_out(spread, draw)
-            for mixture in ("noise-aware", "spherical"):
-                compare_grid(CONFIG, "rdpcfl", seeds, out / mixture,
-                             {**settings, **MIXTURES[mixture]}, epsilons="5")
-            compare_grid(CONFIG, "global,oracle", seeds, out / "baselines", settings,
-                         epsilons="5")
+VARIANTS = ("noise-aware", "spherical", "global", "oracle")
+
+
+def run_grids(seeds: str, spreads: Sequence[str], draws: Sequence[int],
+              chosen: Sequence[str] = VARIANTS) -> None:
+    """Part 3's grids, one variant at a time over every spread and draw, so that an early
+    stop has the question's answer first: the noise-aware mixture, today's, DP-FedAvg, the
+    oracle. Each cell is resumable."""
+    variants = {mixture: ("rdpcfl", mixture, MIXTURES[mixture]) for mixture in MIXTURES}
+    variants |= {method: (method, "baselines", {}) for method in ("global", "oracle")}
+    for method, folder, overrides in (variants[name] for name in VARIANTS if name in chosen):
+        for spread in spreads:
+            for draw in (draws if spread != "equal" else [0]):
+                epsilons = ",".join(f"{e:g}" for e in budgets(spread, draw))
+                compare_grid(CONFIG, method, seeds, grid_out(spread, draw) / folder,
+                             {"silo-epsilons": epsilons, **overrides}, epsilons="5")
 
 
 def _results(path: Path) -> list[dict[str, Any]]:
@@ -323,6 +329,8 @@ def main() -> None:
     parser.add_argument("--draws", default="0,1")
     parser.add_argument("--noise-draws", type=int, default=4,
                         help="round-one: noise draws per seed and budget draw")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="runs: which of " + ", ".join(VARIANTS))
     parser.add_argument("--table-only", action="store_true",
                         help="runs: tabulate the finished cells, run nothing")
     parser.add_argument("--no-append", action="store_true")
@@ -342,7 +350,7 @@ def main() -> None:
                 round_one_share(), append=not args.no_append)
     if "runs" in parts:
         if not args.table_only:
-            run_grids(args.seeds, spreads, draws)
+            run_grids(args.seeds, spreads, draws, args.variants.split(","))
         publish("Noise-aware clustering: whole runs under budget spreads",
                 runs_table(spreads, draws), append=not args.no_append)
 
