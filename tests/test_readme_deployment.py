@@ -13,23 +13,28 @@ code differs from its own, and this checkout may be edited while the test runs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shlex
-import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from dpcfl_flwr.deploy.localhost import free_port
 from dpcfl_flwr.runs.processes import descendants
+from tests.doc_commands import (
+    REPO,
+    Operator,
+    code_blocks,
+    copy_of_the_checkout,
+    listening,
+    only_command,
+    section,
+    shell_commands,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 SILOS = 4
 SMALL_SILO = ["--clusters", "2,2", "--samples-per-client", "64", "--test-samples", "40"]
 SMALL_RUN = ['clusters="2,2"', f"min-clients={SILOS}", "rdpcfl.n-clusters=2",
@@ -40,79 +45,12 @@ SMALL_RUN = ['clusters="2,2"', f"min-clients={SILOS}", "rdpcfl.n-clusters=2",
 def readme_commands() -> list[list[str]]:
     """The shell commands of README's "Real silos" section, in order (continued lines
     joined, comments dropped)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Real silos"):]
-    section = section[:section.index("\n## ", 1)]
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL):
-        for line in block.replace("\\\n", " ").splitlines():
-            if words := shlex.split(line, comments=True):
-                commands.append(words)
-    return commands
+    blocks = code_blocks(section(REPO / "README.md", "Real silos"), "bash")
+    return [command for block in blocks for command in shell_commands(block)]
 
 
 def _command(commands: list[list[str]], *start: str) -> list[str]:
-    found = [c for c in commands if c[:len(start)] == list(start)]
-    assert len(found) == 1, f"README's real-silo section has no single {' '.join(start)!r}"
-    return found[0]
-
-
-class Operator:
-    """Runs commands in the checkout's copy as the README's operator would, each in a session
-    of its own, with its output in a log."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.env = {**os.environ, "FLWR_HOME": str(root / "flwr"), "FLWR_TELEMETRY_ENABLED": "0",
-                    "PYTHONPATH": str(root), "COLUMNS": "200"}
-        self.processes: dict[str, subprocess.Popen] = {}
-
-    def run(self, name: str, command: list[str], timeout: float) -> subprocess.CompletedProcess:
-        done = subprocess.run(command, cwd=self.root, env=self.env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-        (self.root / f"{name}.log").write_text(done.stdout + done.stderr)
-        return done
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        with (self.root / f"{name}.log").open("w") as log:
-            process = subprocess.Popen(command, cwd=self.root, env=self.env, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-        self.processes[name] = process
-        return process
-
-    def log(self, name: str) -> str:
-        return (self.root / f"{name}.log").read_text(errors="replace")
-
-    def wait_for(self, name: str, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            assert self.processes[name].poll() is None, f"{name} ended:\n{self.log(name)}"
-            assert time.monotonic() < deadline, f"no {text!r} in {name}:\n{self.log(name)}"
-            time.sleep(0.5)
-
-    def kill_all(self) -> None:
-        tree = {pid for p in self.processes.values() for pid in descendants(p.pid)}
-        for process in self.processes.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for process in self.processes.values():
-            process.wait()
-
-
-def _copy_of_the_checkout(root: Path) -> None:
-    for name in ("server", "clients", "examples", "dpcfl_flwr"):
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, root / name)
-    (root / ".venv").symlink_to(REPO / ".venv")
-
-
-def _listening(port: int) -> bool:
-    return subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True,
-                          text=True, check=False).stdout.strip() != ""
+    return only_command(commands, *start, where="README's real-silo section")
 
 
 @pytest.mark.slow
@@ -122,7 +60,7 @@ def test_readme_real_silo_commands_run_end_to_end_and_after_a_superlink_restart(
     start_superlink = _command(commands, "server/start-superlink.sh")
     submit = _command(commands, ".venv/bin/dpcfl", "submit")
     client = _command(commands, ".venv/bin/dpcfl", "client")
-    _copy_of_the_checkout(tmp_path)
+    copy_of_the_checkout(tmp_path)
     operator = Operator(tmp_path)
     fleet, api = free_port(), free_port()
     ports = ["--fleet-address", f"0.0.0.0:{fleet}", "--api-address", f"127.0.0.1:{api}"]
@@ -160,7 +98,7 @@ def test_readme_real_silo_commands_run_end_to_end_and_after_a_superlink_restart(
         os.kill(supervisor.pid, signal.SIGKILL)
         supervisor.wait()
         deadline = time.monotonic() + 30
-        while _listening(fleet) or _listening(api):
+        while listening(fleet) or listening(api):
             assert time.monotonic() < deadline, f"the SuperLink outlived it: {superlink}"
             time.sleep(0.5)
         # ... and the same command starts it again, on the kept state and keys.
