@@ -67,7 +67,9 @@ def _leaf_commands() -> list[tuple[list[str], click.Command]]:
     found, groups = [], [([], typer.main.get_command(app))]
     while groups:
         path, group = groups.pop()
-        for name, command in group.commands.items():  # type: ignore[attr-defined]
+        context = click.Context(group)
+        for name in group.list_commands(context):  # type: ignore[attr-defined]
+            command = group.get_command(context, name)  # type: ignore[attr-defined]
             if isinstance(command, click.Group):
                 groups.append(([*path, name], command))
             else:

@@ -2,7 +2,8 @@
 
 A simulation in which no silo can start (a truncated data file) stops with one error line and a
 non-zero status, each silo's reason logged once; Ctrl-C in a terminal ends a simulation or a
-silo (``dpcfl client``) within seconds, and no process of theirs is left.
+silo (``dpcfl client``) within seconds, and no process of theirs is left. A connected silo's
+supervisor, alive as long as the silo, holds no torch: only its SuperNode trains.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from dpcfl_flwr.data.readers import FASHION_MNIST_DEBIAN_DIR, FASHION_MNIST_ENV_VAR
 from dpcfl_flwr.deploy.localhost import LocalDeployment, free_port
+from dpcfl_flwr.runs.processes import descendants
 
 DPCFL = [sys.executable, "-m", "dpcfl_flwr.cli"]
 REPO = Path(__file__).resolve().parents[1]
@@ -217,6 +219,53 @@ def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
     assert "Traceback" not in terminal.text()
     assert not _left_after(mark)
     print(f"\nCtrl-C ended the connected silo in {seconds:.1f} s")
+
+
+#: What a silo's supervisor may hold resident (MiB): about 130 here; about 500 when it imported
+#: torch and checked the silo's records in its own process.
+SUPERVISOR_RSS_MIB = 250
+
+
+def _holds_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's shared libraries mapped (it imported torch)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in maps or "/torch/lib/" in maps
+
+
+def _rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def _supernodes(supervisor: int) -> list[int]:
+    found = []
+    for pid in descendants(supervisor):
+        with contextlib.suppress(OSError):
+            if b"supernode_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def test_a_connected_silos_supervisor_never_imports_torch(tmp_path, superlink):
+    # `dpcfl client` checks the silo's records with torch in a child that exits; its
+    # SuperNode (the warm ClientApp) loads torch, the supervisor must not (~300 MB per silo)
+    env, mark = _marked_env()
+    terminal = Terminal(_client(superlink[0], free_port(), tmp_path / "ledger.json"), env,
+                        tmp_path)
+    try:
+        _wait_until(lambda: "SuperNode ID" in terminal.text(), 240, "connected SuperNode")
+        supervisor = terminal.process.pid
+        _wait_until(lambda: any(_holds_torch(pid) for pid in _supernodes(supervisor)), 240,
+                    "SuperNode with torch loaded")  # what the check below would see
+        assert terminal.process.poll() is None, terminal.text()[-2000:]
+        assert not _holds_torch(supervisor), "the silo's supervisor imported torch"
+        rss = _rss_mib(supervisor)
+        assert rss < SUPERVISOR_RSS_MIB, f"the silo's supervisor holds {rss:.0f} MiB"
+    finally:
+        terminal.ctrl_c()
+    assert "Traceback" not in terminal.text()
+    assert not _left_after(mark)
+    print(f"\nsupervisor of a connected silo: {rss:.0f} MiB resident, no torch")
 
 
 def test_ctrl_c_ends_a_submit_within_seconds_and_says_the_run_may_go_on(tmp_path, request):

@@ -14,19 +14,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ..data import Topology
-from ..data.records import RECORDS_MEMORY_MIB
 from ..data.schema import Schema, parse_features, parse_floats
-from ..data.sources import is_source, source_names
+from ..data.sources import RECORDS_MEMORY_MIB, is_source, source_names
 from ..models.registry import (
     ENTRY_POINT_GROUP,
     PARAMS_TABLE,
+    ModelSpec,
     is_model,
     model_entry,
     model_names,
     params_table,
     validate_params,
 )
-from ..models.spec import ModelSpec
 from ..models.trainable import parse_prefixes
 from ..privacy.history import DEFAULT_ACCOUNTANT
 from . import registry
@@ -450,43 +449,25 @@ class SiloConfig(ConfigModel):
             Topology.parse(value)
         return value
 
-    def resolved(self, experiment: ExperimentConfig, trust_run_config: bool) -> SiloConfig:
+    def resolved(self, experiment: ExperimentConfig | None, trust_run_config: bool
+                 ) -> SiloConfig:
         """Every setting filled in. ``trust_run_config`` (simulation only): unset keys come
         from the run config; otherwise the budget and ledger must be the silo's own and unset
-        split keys take this code's defaults. Raises :class:`ConfigError` naming what is
+        split keys take this code's defaults, and ``experiment`` is not read (None will do:
+        ``dpcfl client`` resolves a silo's settings without a run config, and so without
+        loading every method and model). Raises :class:`ConfigError` naming what is
         missing."""
         if trust_run_config:
-            source = {key: getattr(experiment, key) for key in _SPLIT_KEYS}
-            source.update(epsilon=experiment.epsilon, delta=experiment.delta,
-                          data_seed=experiment.seed, metrics=experiment.metrics,
-                          metrics_noise=experiment.metrics_noise, threads=experiment.threads,
-                          ledger_path=str(experiment.ledger_directory()
-                                          / f"silo-{self.partition_id}.json"),
-                          data_dir=experiment.data_dir)
+            if experiment is None:
+                raise TypeError("a silo that trusts the run config needs the run config")
+            source = self._from_run_config(experiment)
         else:
-            missing = [kebab(key) for key in DEPLOYMENT_REQUIRED if not getattr(self, key)]
-            if missing:
-                raise ConfigError(
-                    f"node config: {', '.join(missing)} must be set in the silo's own node "
-                    "config (silo file); a deployed silo never takes its budget or ledger "
-                    "from the server")
-            source = {key: ExperimentConfig.model_fields[key].default for key in _SPLIT_KEYS}
-            source.update(data_seed=ExperimentConfig.model_fields["seed"].default,
-                          metrics="private",
-                          metrics_noise=ExperimentConfig.model_fields["metrics_noise"].default,
-                          threads=1)
-        if trust_run_config and self.noise_seed < 0 <= experiment.noise_seed:
-            source["noise_seed"] = 1000 * experiment.noise_seed + self.partition_id
-        if trust_run_config:
-            source.update(experiment.silo_overrides(self.partition_id))
-            source.update(registry.method_class(experiment.method).silo_defaults(
-                experiment.params))
+            source = self._deployment_defaults()
         source.setdefault("privatiser", "dpsgd")
         source.setdefault("data_source", "benchmark")
         source.setdefault("test_fraction", 0.2)
         source.setdefault("report_cpu_seconds", trust_run_config)
-        source.setdefault("accountant", experiment.accountant if trust_run_config
-                          else DEFAULT_ACCOUNTANT)
+        source.setdefault("accountant", DEFAULT_ACCOUNTANT)
         resolved = self.model_copy(update={key: value for key, value in source.items()
                                            if self._unset(key)})
         if resolved.data_source != "benchmark" and not resolved.data_path:
@@ -499,6 +480,37 @@ class SiloConfig(ConfigModel):
                 raise ConfigError(f"node config: privatiser = dprivacy needs "
                                   f"{' and '.join(missing)} in the silo's own node config")
         return resolved
+
+    def _from_run_config(self, experiment: ExperimentConfig) -> dict[str, Any]:
+        """Simulation: the settings an unset key takes from the run config."""
+        source = {key: getattr(experiment, key) for key in _SPLIT_KEYS}
+        source.update(epsilon=experiment.epsilon, delta=experiment.delta,
+                      data_seed=experiment.seed, metrics=experiment.metrics,
+                      metrics_noise=experiment.metrics_noise, threads=experiment.threads,
+                      ledger_path=str(experiment.ledger_directory()
+                                      / f"silo-{self.partition_id}.json"),
+                      data_dir=experiment.data_dir, accountant=experiment.accountant)
+        if self.noise_seed < 0 <= experiment.noise_seed:
+            source["noise_seed"] = 1000 * experiment.noise_seed + self.partition_id
+        source.update(experiment.silo_overrides(self.partition_id))
+        source.update(registry.method_class(experiment.method).silo_defaults(experiment.params))
+        return source
+
+    def _deployment_defaults(self) -> dict[str, Any]:
+        """Deployment: the code's defaults for unset keys; ConfigError without the silo's own
+        budget or ledger."""
+        missing = [kebab(key) for key in DEPLOYMENT_REQUIRED if not getattr(self, key)]
+        if missing:
+            raise ConfigError(
+                f"node config: {', '.join(missing)} must be set in the silo's own node "
+                "config (silo file); a deployed silo never takes its budget or ledger "
+                "from the server")
+        source = {key: ExperimentConfig.model_fields[key].default for key in _SPLIT_KEYS}
+        source.update(data_seed=ExperimentConfig.model_fields["seed"].default,
+                      metrics="private",
+                      metrics_noise=ExperimentConfig.model_fields["metrics_noise"].default,
+                      threads=1)
+        return source
 
     def _unset(self, key: str) -> bool:
         """None, an empty path, or (threads) 0: the markers of a key the silo left unset; an

@@ -24,9 +24,9 @@ import torch
 
 from .partition import ClientData
 from .readers import DataError
-from .records import RECORDS_MEMORY_MIB, Inputs, LazyRecords, RowReader
+from .records import Inputs, LazyRecords, RowReader
 from .schema import Schema
-from .sources import SPLITS, SourceRequest, check_training_records, draw_split
+from .sources import RECORDS_MEMORY_MIB, SPLITS, SourceRequest, check_training_records, draw_split
 
 
 def expected_classes(schema: Schema) -> str:

@@ -26,10 +26,6 @@ RowReader = Callable[[np.ndarray], np.ndarray]
 #: How many records a pass over all of them reads at once (a chunk of 28x28 images: 12 MB).
 PASS_CHUNK = 4096
 
-#: A silo's ``records-memory`` unless it sets one (MiB): records whose float32 tensors fit in
-#: it are read into memory when the silo starts, larger ones are read when used.
-RECORDS_MEMORY_MIB = 1024
-
 
 def fits_in_memory(count: int, record_shape: tuple[int, ...], budget_bytes: int) -> bool:
     """Whether ``count`` float32 records of ``record_shape`` take at most ``budget_bytes``."""

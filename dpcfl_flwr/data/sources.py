@@ -21,13 +21,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .partition import ClientData
 from .readers import DataError
 from .schema import Schema
+
+if TYPE_CHECKING:  # its tensors need torch, which the silo supervisor never imports
+    from .partition import ClientData
 
 #: Entry point group of installed data sources: ``name = "package.module:load"``.
 ENTRY_POINT_GROUP = "dpcfl_flwr.data_sources"
@@ -47,6 +49,10 @@ SCHEMA_FREE_SOURCES = ("benchmark", "arrays")
 
 #: The splits a source returns; validation may be empty.
 SPLITS = ("train", "val", "test")
+
+#: A silo's ``records-memory`` unless it sets one (MiB): records whose float32 tensors fit in
+#: it are read into memory when the silo starts, larger ones are read when used.
+RECORDS_MEMORY_MIB = 1024
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class SourceRequest:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
-Loader = Callable[[SourceRequest], ClientData]
+Loader = Callable[[SourceRequest], "ClientData"]
 
 
 def _installed() -> dict[str, Any]:
@@ -119,6 +125,8 @@ def loader_named(name: str) -> Loader:
 def load_records(name: str, request: SourceRequest) -> ClientData:
     """The silo's records from source ``name``, checked for shape and content (not yet the
     schema: :func:`~.arrays.check_schema`). Anything a plug-in raises becomes one line."""
+    from .partition import ClientData  # noqa: PLC0415 (torch: only when records are read)
+
     loader = loader_named(name)
     try:
         data = loader(request)

@@ -16,6 +16,8 @@ from ..config.settings import ConfigError, SiloConfig
 from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
 from ..flower_compat.environment import use_this_environment
 from ..privacy.history import DEFAULT_ACCOUNTANT
+from ..silo.model_files import model_files, model_path
+from . import silo_torch
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
 from .supervision import (
     console,
@@ -178,24 +180,15 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
 
 
 def _model_pattern(ledger_path: str) -> str:
-    from ..silo.kept_model import model_path  # noqa: PLC0415 (torch, only when it is needed)
-
     return str(model_path(ledger_path, "<run id>"))
 
 
 def _print_models(ledger_path: str, since: float) -> None:
     """One line per model file this silo wrote while it ran (:mod:`dpcfl_flwr.silo.kept_model`):
     where its result is, once the SuperNode has ended."""
-    from ..silo.kept_model import describe, model_files, read_metadata  # noqa: PLC0415
-
-    for path in model_files(ledger_path):
-        if path.stat().st_mtime < since:
-            continue
-        try:
-            line = describe(path, read_metadata(path))
-        except ValueError as exc:
-            line = str(exc)
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    written = [path for path in model_files(ledger_path) if path.stat().st_mtime >= since]
+    if written:
+        silo_torch.print_models(written)
 
 
 def _spent_so_far(node: SiloConfig) -> str:

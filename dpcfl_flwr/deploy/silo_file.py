@@ -56,10 +56,10 @@ from typing import Any
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from pydantic import Field, ValidationError
 
-from ..config.config_file import load_schema
-from ..config.settings import SiloConfig, parse_node_config, parse_run_config
+from ..config.settings import SiloConfig, parse_node_config
 from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..flower_compat.environment import flower_tool
+from . import silo_torch
 from .certs import certificate_problems
 from .supernode_launcher import DEFAULT_IDLE_POLL
 
@@ -116,7 +116,7 @@ def deployed_settings(node: SiloConfig) -> SiloConfig:
     """What the deployed ClientApp will use: ``node`` with every unset key at the code's
     default; raises :class:`ConfigError` (one line naming the missing keys) without a budget
     or ledger of the silo's own."""
-    return node.resolved(parse_run_config({}), trust_run_config=False)
+    return node.resolved(None, trust_run_config=False)
 
 
 def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
@@ -128,14 +128,7 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
         problems.append(str(exc))
     else:
         if not settings.data_dir or Path(settings.data_dir).is_dir():  # else said below
-            from ..silo.silo import records_problem  # noqa: PLC0415 (torch, once flags parse)
-
-            try:
-                schema = load_schema(settings.schema_file) if settings.schema_file else None
-            except ConfigError as exc:
-                problems.append(str(exc))
-            else:
-                problems += [p for p in [records_problem(settings, schema)] if p]
+            problems += silo_torch.records_problems(settings)
     if silo.insecure and silo.root_certificates:
         problems.append("insecure = true and root-certificates are both set: choose one")
     if not silo.insecure and not silo.root_certificates:
@@ -158,7 +151,7 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
     if node.data_dir and not Path(node.data_dir).is_dir():
         problems.append(f"data-dir {node.data_dir} does not exist")
     if node.device.startswith("cuda"):
-        problems += _check_cuda(node.device)
+        problems += silo_torch.device_problems(node.device)
     if flower_tool("flower-supernode") is None:
         problems.append("flower-supernode is not on PATH (install flwr==1.39.0)")
     return problems
@@ -194,17 +187,6 @@ def _writable_dir(path: Path) -> bool:
     except OSError:
         return False
     return True
-
-
-def _check_cuda(device: str) -> list[str]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return [f"device {device}: CUDA is not available on this machine"]
-    index = int(device.split(":")[1]) if ":" in device else 0
-    if index >= torch.cuda.device_count():
-        return [f"device {device}: only {torch.cuda.device_count()} GPU(s) here"]
-    return []
 
 
 def node_config_text(node: SiloConfig) -> str:

@@ -14,6 +14,10 @@ means the paper's CNN on every silo, whatever else is installed there.
 
 Every failure (a name not installed, a plug-in that does not import, bad parameters) is a
 :class:`~dpcfl_flwr.config.validation.ConfigError` of one line.
+
+A run's model as its config names it (:class:`ModelSpec`) is here too: this module does not
+import torch (a builder's module does, when it is loaded), so the silo supervisor can validate
+a config without it; :mod:`.spec` builds the module.
 """
 
 from __future__ import annotations
@@ -69,6 +73,21 @@ class ModelEntry:
         if self.takes_params:
             return self.builder(num_classes, input_shape, params)
         return self.builder(num_classes, input_shape)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the run config names it (hashable: silos cache its tensor layout).
+
+    ``params``: the model's run-config table as sorted (key, value) pairs; ``input_shape``:
+    one record's shape; ``trainable``: parameter-name prefixes to train (empty: all)."""
+
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    fix: bool = False
+    trainable: tuple[str, ...] = ()
 
 
 def _installed() -> dict[str, list[str]]:

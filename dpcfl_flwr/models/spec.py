@@ -2,16 +2,14 @@
 
 :class:`ModelSpec` holds what the run config says about the model: its registry name, its
 parameters, the schema's classes and record shape, ``model-fix`` and the ``trainable``
-prefixes. :func:`build` turns it into a module: the registry's builder, Opacus' check (or fix),
-then the frozen layers. The server builds it with the run's seed for theta_init
+prefixes (it is defined in :mod:`.registry`, which needs no torch, so that validating a config
+does not import torch). :func:`build` turns it into a module: the registry's builder, Opacus'
+check (or fix), then the frozen layers. The server builds it with the run's seed for theta_init
 (:func:`initial_state`); a silo builds it from its own installed code and loads the server's
 weights into it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,23 +17,8 @@ from torch import nn
 from ..config.validation import ConfigError
 from .dp_check import dp_trainable
 from .initial_weights import load_initial_weights
-from .registry import model_entry, validate_params
+from .registry import ModelSpec, model_entry, validate_params
 from .trainable import freeze_except
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model as the run config names it (hashable: silos cache its tensor layout).
-
-    ``params``: the model's run-config table as sorted (key, value) pairs; ``input_shape``:
-    one record's shape; ``trainable``: parameter-name prefixes to train (empty: all)."""
-
-    name: str
-    num_classes: int
-    input_shape: tuple[int, ...]
-    params: tuple[tuple[str, Any], ...] = ()
-    fix: bool = False
-    trainable: tuple[str, ...] = ()
 
 
 def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
@@ -74,3 +57,6 @@ def count_parameters(model: nn.Module) -> int:
     """Trainable parameters (the coordinates DP-SGD clips and noises). A model update on the
     wire holds every tensor of the state dict; a frozen parameter's coordinates are 0 there."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+__all__ = ["ModelSpec", "build", "count_parameters", "initial_state"]

@@ -13,9 +13,12 @@ A prefix names a module or parameter by its dotted path and matches at dot bound
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..config.validation import ConfigError
+
+if TYPE_CHECKING:  # config validation reads the prefixes without torch
+    from torch import nn
 
 
 def parse_prefixes(text: str) -> tuple[str, ...]:

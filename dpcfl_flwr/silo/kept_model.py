@@ -9,7 +9,7 @@ compares ``server-round`` with the ``rounds`` of the schedule the run's first tr
 announced (the schedule it calibrated its noise for), not with anything the evaluate message
 says. Nothing leaves the silo, so writing costs no privacy; nothing replaces the run's final
 model, so a server that asks again afterwards cannot take the result away, and before it an
-earlier round never replaces a later one.
+earlier round never replaces a later one (:mod:`.model_files` names the files).
 
 The file is one ``torch.save`` of ``{"state_dict": ..., "metadata": ...}``, written atomically
 (temporary file, fsync, rename); :func:`load_silo_model` reads it back as a model. The metadata
@@ -39,6 +39,7 @@ import torch
 from ..files import write_atomically
 from ..models import ModelSpec, build, image_model_spec
 from ..protocol import OWN
+from .model_files import SUFFIX, model_files, model_path
 
 if TYPE_CHECKING:
     from .silo import Silo
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: Version of the file's layout; :func:`load_silo_model` refuses another.
 FORMAT = 1
-SUFFIX = ".model.pt"
 
 
 class SiloModel(NamedTuple):
@@ -55,27 +55,6 @@ class SiloModel(NamedTuple):
 
     model: torch.nn.Module
     metadata: dict[str, Any]
-
-
-def _stem(ledger_path: str | Path) -> str:
-    name = Path(ledger_path).name
-    return name.removesuffix(".json")
-
-
-def model_path(ledger_path: str | Path, run_id: int | str) -> Path:
-    """Where a silo with this ledger keeps the model of run ``run_id`` (its run key, the same
-    across a resumed run, else Flower's run id)."""
-    ledger = Path(ledger_path)
-    return ledger.with_name(f"{_stem(ledger)}.run-{run_id}{SUFFIX}")
-
-
-def model_files(ledger_path: str | Path) -> list[Path]:
-    """Every run's model file of the silo with this ledger, oldest first."""
-    ledger = Path(ledger_path)
-    if not ledger.parent.is_dir():
-        return []
-    found = ledger.parent.glob(f"{_stem(ledger)}.run-*{SUFFIX}")
-    return sorted(found, key=lambda path: path.stat().st_mtime)
 
 
 def _read(path: Path) -> dict[str, Any]:
