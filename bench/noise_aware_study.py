@@ -250,11 +250,11 @@ def round_one_share(epsilons: Sequence[float] = (0.5, 1, 2, 5, 15)) -> str:
             "RDP accountant, split budget mode.\n\n" + "\n".join(lines))
 
 
-def _mean_sd(values: Sequence[float]) -> str:
+def _mean_sd(values: Sequence[float], digits: int = 2) -> str:
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
         return "n/a"
-    return f"{np.mean(finite):.2f} ± {np.std(finite):.2f}"
+    return f"{np.mean(finite):.{digits}f} ± {np.std(finite):.{digits}f}"
 
 
 def grid_out(spread: str, draw: int) -> Path:
@@ -314,8 +314,8 @@ def runs_table(spreads: Sequence[str], draws: Sequence[int]) -> str:
                 f"{sum(wrong) if wrong else '-'} | {_mean_sd(final) if final else '-'} | "
                 f"{sum(1 for f in final if f == 1.0) if final else '-'}"
                 f"{'/' + str(len(final)) if final else ''} | "
-                f"{_mean_sd([100 * s['mean_accuracy'] for s in summary])} | "
-                f"{_mean_sd([100 * s['minority_accuracy'] for s in summary])} |")
+                f"{_mean_sd([100 * s['mean_accuracy'] for s in summary], 1)} | "
+                f"{_mean_sd([100 * s['minority_accuracy'] for s in summary], 1)} |")
     return ("Whole runs (`dpcfl compare`, examples/fmnist-cpu-1000.toml, silo-epsilons of the "
             f"spread and draw; draws {list(draws)}), mean ± sd over the finished runs:\n\n"
             + "\n".join(lines))
