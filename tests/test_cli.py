@@ -122,3 +122,22 @@ def test_superlink_help_says_which_port_each_command_dials():
                       for command in ("submit", "client"))
     assert "control API" in submit and "8000" in submit and "9092" in submit
     assert "Fleet API" in client and "9092" in client and "8000" in client
+
+
+@pytest.mark.parametrize("command", [
+    ["simulate", "--out", "{tmp}/out"],
+    ["submit", "--superlink", "127.0.0.1:1", "--insecure"],
+])
+def test_a_topology_too_small_for_the_method_is_one_line_before_anything_starts(tmp_path,
+                                                                               command):
+    """R-DPCFL with M = 4 needs 5 silos: three silos are refused by the run config itself, so
+    neither a simulation nor a SuperLink ever starts the run (it used to stop at the
+    server's start, after the silos had connected)."""
+    args = [part.replace("{tmp}", str(tmp_path)) for part in command]
+    bad = _run(*args, "--set", 'clusters="3"', "--set", "rdpcfl.n-clusters=4", check=False)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, bad.stderr
+    assert "method rdpcfl, n-clusters = 4 needs at least 5 silos" in lines[0]
+    assert "clusters = '3' has 3" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -23,8 +23,8 @@ from pydantic import BaseModel
 class MethodClass(Protocol):
     """What the registry and its readers use of a method's class
     (:class:`dpcfl_flwr.methods.base.Method`): its name and parameter table, its flags and
-    privatiser, the simulation defaults it gives silos (``silo_defaults``) and the
-    constructor ``(experiment, params, state)``."""
+    privatiser, the simulation defaults it gives silos (``silo_defaults``), the fewest silos it
+    runs with (``fewest_silos``) and the constructor ``(experiment, params, state)``."""
 
     name: str
     title: str
@@ -37,6 +37,8 @@ class MethodClass(Protocol):
     def __call__(self, experiment: Any, params: Any, state: Any) -> Any: ...
 
     def silo_defaults(self, params: Any) -> dict[str, Any]: ...
+
+    def fewest_silos(self, params: Any) -> int: ...
 
 
 T = TypeVar("T", bound=type)

@@ -320,6 +320,20 @@ class ExperimentConfig(ConfigModel):
             object.__setattr__(self, "methods", {**self.methods, **missing})
         return self
 
+    @model_validator(mode="after")
+    def _enough_silos(self) -> ExperimentConfig:
+        """A topology with fewer silos than the method can run with is refused here, by
+        `dpcfl simulate` and `dpcfl submit` alike, rather than by the server at its start."""
+        needed = registry.method_class(self.method).fewest_silos(self.params)
+        count = self.topology.num_clients
+        if needed > count:
+            settings = "".join(f", {key} = {value}" for key, value in
+                               self.params.model_dump(by_alias=True).items()
+                               if key in ("n-clusters", "n_clusters"))
+            raise ValueError(f"method {self.method}{settings} needs at least {needed} "
+                             f"silos, but clusters = {self.clusters!r} has {count}")
+        return self
+
     @property
     def params(self) -> BaseModel:
         """The parameter table of the run's method."""

@@ -229,7 +229,13 @@ class Method(ABC):
 
     # --- the run ----------------------------------------------------------------------------
     def silos_needed(self) -> int:
-        """The fewest silos this method can run with."""
+        """The fewest silos this run of the method can run with."""
+        return self.fewest_silos(self.params)
+
+    @classmethod
+    def fewest_silos(cls, params: BaseModel) -> int:
+        """The fewest silos the method can run with under its parameter table ``params``:
+        a run config whose topology has fewer is refused before anything starts."""
         return 1
 
     def results(self) -> dict[str, Any]:

@@ -122,6 +122,3 @@ class DPrivacyCFL(Method):
                 if (labels == m).any():
                     centres[m] = points[labels == m].mean(axis=0)
         return labels
-
-    def silos_needed(self) -> int:
-        return 1

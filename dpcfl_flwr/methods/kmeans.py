@@ -10,7 +10,7 @@ members' trained models. Single-stage schedule at eps_total; needs M.
 from __future__ import annotations
 
 import numpy as np
-from pydantic import Field
+from pydantic import BaseModel, Field
 from sklearn.cluster import KMeans
 
 from ..config.registry import register
@@ -38,9 +38,10 @@ class KMeansCFL(Method):
         super().__init__(experiment, params, state)
         self.labels: dict[int, int] = {}
 
-    def silos_needed(self) -> int:
+    @classmethod
+    def fewest_silos(cls, params: BaseModel) -> int:
         """k-means with M centres needs at least M updates."""
-        return self.n_clusters
+        return int(getattr(params, "n_clusters", 1))
 
     def assign(self, server_round: int, partitions: list[int]) -> dict[int, int]:
         return {p: self.labels.get(p, INITIAL) for p in partitions}

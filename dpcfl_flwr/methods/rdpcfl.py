@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from ..clustering import NoiseAwareClusterer, UpdateClusterer, switch_round
 from ..config.registry import register
@@ -187,10 +187,11 @@ class RDPCFL(Method):
                 self.choice[partition] = reply.cluster
         super().absorb(server_round, replies)
 
-    def silos_needed(self) -> int:
+    @classmethod
+    def fewest_silos(cls, params: BaseModel) -> int:
         """Round 1 clusters the silos' updates: a GMM with M components on M - 1 axes needs
         M + 1 of them, and choosing M by MSS at least 3."""
-        return max(3, self.params.n_clusters + 1)
+        return max(3, int(getattr(params, "n_clusters", 0)) + 1)
 
     def _cluster_round_one(self, replies: dict[int, TrainReply]) -> None:
         updates = {p: r.update for p, r in replies.items() if r.update is not None}
