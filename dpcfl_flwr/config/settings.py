@@ -320,19 +320,20 @@ class ExperimentConfig(ConfigModel):
             object.__setattr__(self, "methods", {**self.methods, **missing})
         return self
 
-    @model_validator(mode="after")
-    def _enough_silos(self) -> ExperimentConfig:
-        """A topology with fewer silos than the method can run with is refused here, by
-        `dpcfl simulate` and `dpcfl submit` alike, rather than by the server at its start."""
+    def too_few_silos(self) -> str | None:
+        """Why the topology has fewer silos than the method can run with (R-DPCFL with M = 4
+        on 3 silos), in one line; None when it has enough. `dpcfl simulate` and `dpcfl
+        submit` ask before they start a run, rather than the server stopping it once the
+        silos have connected. (Not a validator: a silo parses run configs of any size.)"""
         needed = registry.method_class(self.method).fewest_silos(self.params)
         count = self.topology.num_clients
-        if needed > count:
-            settings = "".join(f", {key} = {value}" for key, value in
-                               self.params.model_dump(by_alias=True).items()
-                               if key in ("n-clusters", "n_clusters"))
-            raise ValueError(f"method {self.method}{settings} needs at least {needed} "
-                             f"silos, but clusters = {self.clusters!r} has {count}")
-        return self
+        if needed <= count:
+            return None
+        settings = "".join(f", {key} = {value}" for key, value in
+                           self.params.model_dump(by_alias=True).items()
+                           if key in ("n-clusters", "n_clusters"))
+        return (f"method {self.method}{settings} needs at least {needed} silos, but "
+                f"clusters = {self.clusters!r} has {count}")
 
     @property
     def params(self) -> BaseModel:

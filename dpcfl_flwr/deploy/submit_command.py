@@ -65,6 +65,9 @@ def submit(
     except (ValueError, OSError) as exc:
         stop([str(exc)])
         return
+    short = experiment.too_few_silos()
+    if short:
+        stop([short])
     undeclared = _undeclared_keys(app_dir, experiment.to_run_config())
     if undeclared:  # Flower would refuse the run with "Invalid run configuration" only
         stop([f"the app in {app_dir} does not declare the run-config key(s) "

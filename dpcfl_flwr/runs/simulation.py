@@ -61,6 +61,9 @@ def experiment_to_run(config: Path | None, overrides: Mapping[str, Any], out: Pa
     elif "out-dir" not in pairs and (config is None or "out-dir" not in config.read_text()):
         pairs["out-dir"] = time.strftime("results/%Y%m%d-%H%M%S")
     experiment = absolute_paths(load_config(config, pairs))
+    short = experiment.too_few_silos()
+    if short:
+        raise ValueError(short)
     # the model as the server will build it (registry, Opacus' check, trainable prefixes,
     # initial weights): a model that cannot be built is one line here, before Ray starts
     initial_state(experiment.model_spec, experiment.seed, experiment.initial_weights)
