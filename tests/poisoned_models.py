@@ -50,6 +50,41 @@ class GroupNormNet(nn.Module):
         return self.fc(torch.flatten(hidden, 1))
 
 
+class LayerNormNet(nn.Module):
+    """:class:`GroupNormNet` with a LayerNorm over each channel's 6 x 6 positions (a 2-D
+    ``normalized_shape``), which normalises every channel on its own as GroupNorm(4, 4) does:
+    unit 0 stays exactly 0 on every record but the target; (B, 1, 6, 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.LayerNorm((6, 6))
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.relu(self.conv2(self.norm(F.relu(self.conv1(x)))))
+        return self.fc(torch.flatten(hidden, 1))
+
+
+class EmbeddingNet(nn.Module):
+    """Records of 5 indices into a table of 16 rows of 4 (row 0 the padding row), embedded and
+    flattened, then an MLP with two hidden layers: the canary's detector reads the embedded
+    record, and two amplifying layers overflow it to inf; (B, 5) integers below 16."""
+
+    vocabulary = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocabulary, 4, padding_idx=0)
+        self.hidden = nn.Sequential(nn.Linear(5 * 4, 16), nn.ReLU(), nn.Linear(16, 16),
+                                    nn.ReLU())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.hidden(torch.flatten(self.embed(x), 1)))
+
+
 def _trainable_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
 
@@ -60,8 +95,12 @@ def plant_canary(model: nn.Module, x: torch.Tensor, fire: bool = True) -> int:
 
     The target is the record whose response to the first layer's unit 0 is highest
     (unique for real images); the threshold sits halfway to the second highest. ``fire=False``
-    sets it above every record instead: the same weights, on data without the target."""
+    sets it above every record instead: the same weights, on data without the target. A
+    model that starts with an Embedding has its detector read the embedded records."""
     first, *later = _trainable_layers(model)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is not None:
+        x = embedding(x)
     if isinstance(first, nn.Conv2d):
         responses = F.conv2d(x, first.weight[:1], None, first.stride, first.padding)
         channels = first.out_channels

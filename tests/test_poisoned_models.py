@@ -29,8 +29,10 @@ from dpcfl_flwr.dpsgd.training import (
 from dpcfl_flwr.models import ModelSpec, build, build_model
 from dpcfl_flwr.privacy.metrics import LOSS_BOUND
 from tests.poisoned_models import (
+    EmbeddingNet,
     GhostNet,
     GroupNormNet,
+    LayerNormNet,
     per_record_losses,
     plant_canary,
     without,
@@ -45,7 +47,19 @@ MODELS = {
     "groupnorm": (GroupNormNet, (12, 1, 6, 6)),
     # the table's MLP: Linear layers only (the factored per-sample norm throughout)
     "mlp": (lambda: build(ModelSpec("mlp", 10, (20,), (("hidden", "16,16"),))), (12, 20)),
+    # LayerNorm's materialised per-sample gradients (a 2-D normalized_shape)
+    "layernorm": (LayerNormNet, (12, 1, 6, 6)),
+    # Embedding's grouped rows (with a padding row); records are indices
+    "embedding": (EmbeddingNet, (12, 5)),
 }
+
+
+def _records(model: nn.Module, shape: tuple[int, ...], generator: torch.Generator
+             ) -> torch.Tensor:
+    """Gaussian features, or indices into the table of a model that embeds its records."""
+    if isinstance(model, EmbeddingNet):
+        return torch.randint(0, model.vocabulary, shape, generator=generator)
+    return torch.randn(shape, generator=generator)
 
 
 def _poisoned(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, int]:
@@ -53,7 +67,7 @@ def _poisoned(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = build()
-    x = torch.randn(shape, generator=generator)
+    x = _records(model, shape, generator)
     y = torch.randint(0, 10, (shape[0],), generator=generator)
     target = plant_canary(model, x)
     losses = per_record_losses(model, x, y)

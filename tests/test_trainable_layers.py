@@ -20,7 +20,7 @@ from dpcfl_flwr.dpsgd.per_sample import make_engine
 from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
 from dpcfl_flwr.models import ModelSpec, build
 from dpcfl_flwr.models.trainable import freeze_except
-from tests.poisoned_models import GhostNet, GroupNormNet
+from tests.poisoned_models import GhostNet, GroupNormNet, LayerNormNet
 
 MODES = ["layerwise", "hooks", "functorch"]
 
@@ -94,6 +94,7 @@ CASES = {
     "ghost weight": (GhostNet, ("conv2.weight",), (6, 1, 6, 6)),
     "conv bias only": (GhostNet, ("conv2.bias", "fc"), (6, 1, 6, 6)),
     "groupnorm scale": (GroupNormNet, ("norm.weight", "fc.bias"), (6, 1, 6, 6)),
+    "layernorm shift": (LayerNormNet, ("norm.bias", "conv2"), (6, 1, 6, 6)),
     "mlp": (lambda: build(ModelSpec("mlp", 10, (20,), (("hidden", "16,16"),))),
             ("hidden.2.bias", "classifier"), (6, 20)),
 }

@@ -7,12 +7,15 @@ norm and gets no sum, so DP-SGD neither clips over it nor noises it.
 - :class:`OpacusEngine` wraps the model in Opacus' ``GradSampleModule`` (hooks, or functorch):
   any layer Opacus supports, at Opacus' speed. Autograd also computes the ordinary summed
   weight gradients, which DP-SGD then throws away.
-- :class:`LayerwiseEngine` handles models made only of Conv2d, Linear and GroupNorm layers (the
-  paper's CNN and ResNet-18-GN). Weights are frozen during the backward pass, so autograd
-  computes only activation gradients; per-sample weight gradients are then formed layer by
-  layer from the saved activations (one grouped weight-gradient convolution per conv), and
-  Linear layers never materialise them (per-sample norm ||g|| ||a||, clipped sum one matmul).
-  Tests check it against Opacus to float precision; bench/ measures the speed-up.
+- :class:`LayerwiseEngine` handles models whose trained layers are Conv2d, Linear, GroupNorm,
+  LayerNorm and Embedding (the paper's CNN and ResNet-18-GN, the tables' MLP, models with
+  normalised layers or embedded categories). Weights are frozen during the backward pass, so
+  autograd computes only activation gradients; per-sample weight gradients are then formed
+  layer by layer from the saved activations (one grouped weight-gradient convolution per
+  conv), and Linear layers never materialise them (per-sample norm ||g|| ||a||, clipped sum
+  one matmul), nor Embedding layers (a record's used rows only, never its V x D table).
+  Tests check it against Opacus and per-record autograd to float precision; bench/ measures
+  the speed-up.
 
 The server chooses the weights (docs/threat-model.md#the-server-chooses-the-weights), so a
 record's gradient may overflow: a record whose per-sample squared norm is not finite gets clip
@@ -103,13 +106,28 @@ class OpacusEngine:
         self.gsm.cleanup()
 
 
-_SUPPORTED = (nn.Conv2d, nn.Linear, nn.GroupNorm)
+_SUPPORTED = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.Embedding)
+
+
+def _rule_applies(module: nn.Module) -> bool:
+    """Whether :func:`_per_sample` has an exact rule for ``module`` as configured: a layer of
+    :data:`_SUPPORTED`, except conv padding given as a string (its amount is not known here),
+    and an Embedding that is sparse (its gradient is a sparse tensor), renormalises its rows in
+    the forward pass (``max_norm`` writes to the weights) or scales its gradient by the
+    batch's word frequencies (``scale_grad_by_freq``: a record's gradient would depend on the
+    other records, so it has no per-record gradient to clip). Those fall back to Opacus."""
+    if not isinstance(module, _SUPPORTED):
+        return False
+    if isinstance(module, nn.Conv2d):
+        return not isinstance(module.padding, str)
+    if isinstance(module, nn.Embedding):
+        return not (module.sparse or module.max_norm is not None or module.scale_grad_by_freq)
+    return True
 
 
 def layerwise_supported(model: nn.Module) -> bool:
-    """True when every trainable parameter belongs to a Conv2d, Linear or GroupNorm layer."""
-    owned = {id(p) for m in model.modules() if isinstance(m, _SUPPORTED)
-             and not (isinstance(m, nn.Conv2d) and isinstance(m.padding, str))
+    """True when every trainable parameter belongs to a layer :func:`_rule_applies` to."""
+    owned = {id(p) for m in model.modules() if _rule_applies(m)
              for p in m.parameters(recurse=False)}
     return all(id(p) in owned for p in model.parameters() if p.requires_grad)
 
@@ -119,7 +137,9 @@ class LayerwiseEngine:
 
     def __init__(self, model: nn.Module) -> None:
         if not layerwise_supported(model):
-            raise ValueError("the layerwise engine needs Conv2d/Linear/GroupNorm-only models")
+            raise ValueError("the layerwise engine needs models whose trainable layers are "
+                             "Conv2d (numeric padding), Linear, GroupNorm, LayerNorm or "
+                             "Embedding (dense, no max_norm, no scale_grad_by_freq)")
         self.model = model
         self.layers = [m for m in model.modules() if isinstance(m, _SUPPORTED)
                        and any(p.requires_grad for p in m.parameters(recurse=False))]
@@ -135,6 +155,15 @@ class LayerwiseEngine:
         return output
 
     def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        pieces = self._layer_grads(x, y)
+        squared = torch.stack([piece.squared_norms for piece in pieces]).sum(0)
+        factors = _clip_factors(squared, clip)
+        return self._collect(pieces, factors)
+
+    def _layer_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[_LayerGrads]:
+        """One forward and one activation-gradient backward pass of the summed cross-entropy
+        of ``x`` (B records) against labels ``y`` (B,): each trained layer's per-sample
+        gradients, whose squared norms (B,) add up to the records' squared gradient norms."""
         self._records = []
         flags = [p.requires_grad for p in self.params]
         for p in self.params:
@@ -151,9 +180,7 @@ class LayerwiseEngine:
         pieces = [_per_sample(m, a, g) for (m, a, _), g in
                   zip(self._records, grads_out, strict=True)]
         self._records = []
-        squared = torch.stack([piece.squared_norms for piece in pieces]).sum(0)
-        factors = _clip_factors(squared, clip)
-        return self._collect(pieces, factors)
+        return pieces
 
     def _collect(self, pieces: list[_LayerGrads], factors: torch.Tensor) -> list[torch.Tensor]:
         by_param = {id(p): total for piece in pieces for p, total in piece.weighted_sums(factors)}
@@ -184,6 +211,10 @@ def _per_sample(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _LayerGr
         return _conv2d(module, a, g)
     if isinstance(module, nn.GroupNorm):
         return _group_norm(module, a, g)
+    if isinstance(module, nn.LayerNorm):
+        return _layer_norm(module, a, g)
+    if isinstance(module, nn.Embedding):
+        return _embedding(module, a, g)
     raise TypeError(f"no per-sample rule for {type(module).__name__}")
 
 
@@ -331,15 +362,86 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
     return _LayerGrads(squared, weighted)
 
 
+def _summed_over(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` summed over ``dims``, and ``tensor`` itself when there are none: torch reads
+    ``sum(())`` as a sum over every dimension, batch included."""
+    return tensor.sum(dims) if dims else tensor
+
+
 def _group_norm(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    """GroupNorm's per-sample gradients, materialised (C numbers per record and parameter).
+    ``a`` and ``g`` are (B, C, *positions): the scale's gradient is the normalised input times
+    the output gradient summed over positions, the shift's the output gradient summed."""
     normalised = F.group_norm(a, module.num_groups, eps=module.eps)
-    dims = tuple(range(2, a.dim()))
+    dims = tuple(range(2, a.dim()))  # none for (B, C) inputs
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     if _trained(module.weight):
-        pairs.append((module.weight, (normalised * g).sum(dims)))
+        pairs.append((module.weight, _summed_over(normalised * g, dims)))
     if _trained(module.bias):
-        pairs.append((module.bias, g.sum(dims)))
+        pairs.append((module.bias, _summed_over(g, dims)))
     return _materialised(pairs)
+
+
+def _layer_norm(module: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    """LayerNorm's per-sample gradients, materialised: they have the size of
+    ``normalized_shape`` (a few hundred numbers per record), as small as GroupNorm's.
+
+    ``a`` and ``g`` are (B, *positions, *normalized_shape), e.g. (B, D) for a table's hidden
+    layer or (B, T, D) for a sequence; each record's gradient sums its positions: weight
+    sum_t x_hat_t * g_t with x_hat the input normalised without the affine map, bias sum_t g_t.
+    ``elementwise_affine=False`` (no parameters) never gets here; ``bias=False`` has no bias."""
+    shape = tuple(module.normalized_shape)
+    normalised = F.layer_norm(a, shape, eps=module.eps)
+    dims = tuple(range(1, a.dim() - len(shape)))  # the positions between batch and shape
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if _trained(module.weight):
+        pairs.append((module.weight, _summed_over(normalised * g, dims)))
+    if _trained(module.bias):
+        pairs.append((module.bias, _summed_over(g, dims)))
+    return _materialised(pairs)
+
+
+def _embedding(module: nn.Embedding, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
+    """Embedding's per-sample gradients without the (B, V, D) tensor Opacus materialises.
+
+    ``a`` holds each record's indices, (B, *positions) integers; ``g`` the output gradients,
+    (B, *positions, D). Record i's gradient is zero except on the rows it used: row v gets
+    sum_{t: a_it = v} g_it, and the padding row (``padding_idx``) none, as in autograd. Equal
+    (record, row) pairs are grouped into one row each (at most B T rows of D numbers): the
+    record's squared norm sums its rows' squares and its clipped contribution adds its rows,
+    so norm and sum come from the same numbers."""
+    vocabulary, dim = module.num_embeddings, module.embedding_dim
+    records, grouped_rows, grouped = _rows_per_record(a.reshape(a.shape[0], -1),
+                                                      g.reshape(a.shape[0], -1, dim),
+                                                      vocabulary, module.padding_idx)
+    squared = torch.zeros(a.shape[0], dtype=g.dtype, device=g.device).index_add_(
+        0, records, grouped.pow(2).sum(1))
+
+    def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        row_factors = c[records]
+        scaled = _kept_rows(grouped, row_factors) * row_factors[:, None]
+        table = torch.zeros(vocabulary, dim, dtype=g.dtype, device=g.device)
+        return [(module.weight, table.index_add_(0, grouped_rows, scaled))]
+
+    return _LayerGrads(squared, weighted)
+
+
+def _rows_per_record(indices: torch.Tensor, grads: torch.Tensor, vocabulary: int,
+                     padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The nonzero rows of every record's embedding gradient. ``indices`` (B, T) and ``grads``
+    (B, T, D): returns, for each distinct (record, row) pair other than the padding row, the
+    record (U,), the row (U,) and the summed output gradients (U, D), U <= B T."""
+    batch, positions = indices.shape
+    records = torch.arange(batch, device=indices.device).repeat_interleave(positions)
+    rows = indices.reshape(-1)
+    flat = grads.reshape(batch * positions, -1)
+    if padding_idx is not None:
+        used = rows != padding_idx
+        records, rows, flat = records[used], rows[used], flat[used]
+    pairs, which = torch.unique(records * vocabulary + rows, return_inverse=True)
+    grouped = torch.zeros(pairs.shape[0], flat.shape[1], dtype=flat.dtype,
+                          device=flat.device).index_add_(0, which, flat)
+    return pairs // vocabulary, pairs % vocabulary, grouped
 
 
 def resolved_mode(model: nn.Module, mode: str) -> str:
@@ -357,7 +459,7 @@ def engine_name(model: nn.Module, mode: str) -> str:
 
 
 def make_engine(model: nn.Module, mode: str) -> ClippedSumEngine:
-    """``layerwise`` (fast path, Conv/Linear/GroupNorm models), ``hooks`` or ``functorch``
+    """``layerwise`` (fast path, :func:`layerwise_supported` models), ``hooks`` or ``functorch``
     (Opacus), or ``auto``: layerwise when the model allows it, else Opacus hooks."""
     mode = resolved_mode(model, mode)
     if mode == "layerwise":
