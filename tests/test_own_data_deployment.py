@@ -2,11 +2,16 @@
 authentication, each silo file naming its own table of a real data set (the RAND Health
 Insurance Experiment, one site per silo: examples/rand_hie.py), one of them reading it through
 a data-source plug-in and every party building a plug-in model, both from a small package
-installed with pip. Driven by ``flwr run`` as on real machines."""
+installed with pip. Every process runs from one virtual environment, as a site operator would
+have it: the plug-in package, dpcfl-flwr (the snapshot the run submits) and flwr installed into
+it, the heavy dependencies (torch, opacus, ...) seen from the test's environment through a
+``.pth`` file. Driven by ``flwr run`` as on real machines."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -68,19 +73,55 @@ def logistic_regression(num_classes, input_shape):
 '''
 
 
-def _install_plugins(root: Path) -> Path:
-    """Build and install the plug-in package with pip into its own directory (what a site
-    does with ``pip install``); returns the directory to put on the path."""
+def _silo_venv(root: Path, app: Path) -> Path:
+    """A site's virtual environment with pip-installed plug-ins, ``app``'s dpcfl-flwr and flwr
+    1.39, each with its commands (``bin/dpcfl``, ``bin/flower-supernode``, ...) on the venv's
+    Python. Returns the venv."""
+    venv = root / "silo-venv"
+    # sys.executable is the test's venv: its python makes a venv of the base interpreter
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], check=True, capture_output=True, text=True)
+    packages = Path(purelib.stdout.strip())
+    # installed dependencies (and pip) come from the test's environment: .pth lines go after
+    # the venv's own site-packages, so what is installed into the venv wins
+    (packages / "test-environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    _pip(python, "--no-build-isolation", _plugin_source(root))
+    source = root / "app-src"  # the snapshot's package, with the README its metadata names
+    shutil.copytree(app / "dpcfl_flwr", source / "dpcfl_flwr",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(app / "pyproject.toml", source / "pyproject.toml")
+    shutil.copy(REPO / "README.md", source / "README.md")
+    # dpcfl-flwr builds with hatchling, which the test's environment lacks: build isolation
+    _pip(python, str(source), "flwr==1.39.0")
+    assert (next(packages.glob("site_plugins-0.1.dist-info")) / "entry_points.txt").exists()
+    return venv
+
+
+def _pip(python: str, *args: str) -> None:
+    # --ignore-installed: flwr is also seen through the .pth, and is installed anyway (its
+    # commands must run the venv's Python) without touching the test's environment
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--ignore-installed",
+                    *args], check=True, capture_output=True, timeout=300)
+
+
+def _plugin_source(root: Path) -> str:
+    """The plug-in package's source tree (what a site would ``pip install``)."""
     source = root / "plugin-src"
     (source / "site_plugins").mkdir(parents=True)
     (source / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
     (source / "site_plugins" / "__init__.py").write_text(PLUGIN_MODULE)
-    target = root / "site-packages"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(source)],
-                   check=True, capture_output=True, timeout=300)
-    assert (next(target.glob("site_plugins-0.1.dist-info")) / "entry_points.txt").exists()
-    return target
+    return str(source)
+
+
+def _argv0(pid: int) -> str | None:
+    """The program ``pid`` was started as (its command line's first word); None once gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return None
 
 
 def _as_json_lines(csv_path: Path, schema, out: Path) -> Path:
@@ -106,12 +147,16 @@ def test_three_silos_train_on_their_own_tables_over_tls_with_installed_plugins(t
     data = tmp_path / "data"
     paths = example.export(data, SITES)
     schema = load_schema(data / "schema.toml")
-    plugins = _install_plugins(tmp_path)
-    deployment = LocalDeployment(tmp_path / "deployment", clusters="2,1")
-    deployment.env["PYTHONPATH"] = str(plugins)  # the SuperLink's ServerApp builds the model
+    venv_bin = tmp_path / "silo-venv" / "bin"
+    deployment = LocalDeployment(tmp_path / "deployment", clusters="2,1", bin_dir=venv_bin)
+    app = deployment.use_snapshot(REPO)
+    started = time.monotonic()
+    _silo_venv(tmp_path, app)
+    print(f"\nsilo venv set up in {time.monotonic() - started:.0f} s")
+    # the venv holds the snapshot the run submits: every process (the SuperLink's ServerApp
+    # builds the plug-in model too) runs what is installed in it, nothing from PYTHONPATH
+    del deployment.env["PYTHONPATH"]
     deployment.up()
-    deployment.use_snapshot(REPO)
-    deployment.env["PYTHONPATH"] = f"{deployment.root}:{plugins}"
     own = {0: ("table", paths[0]), 1: ("table", paths[1]),
            2: ("jsonl-table", _as_json_lines(paths[2], schema, data / "site-5.jsonl"))}
     for index, (source, path) in own.items():
@@ -143,6 +188,11 @@ def test_three_silos_train_on_their_own_tables_over_tls_with_installed_plugins(t
         assert [c["num_train"] for c in clients] == expected
         assert all(c["epsilon_spent"] <= c["epsilon_budget"] for c in clients)
         assert all(0.5 < c["test_accuracy"] <= 1.0 for c in clients)
+        # the SuperLink, the silos' supervisors, SuperNodes and ClientApp runtimes: all the venv's
+        running = {pid: _argv0(pid) for pid in _processes_of(deployment)}
+        assert len(running) > 2 * len(own) + 1, running
+        assert all(Path(argv0).parent == venv_bin for argv0 in running.values()
+                   if argv0 is not None), running
         for index in own:
             log = deployment.log(f"silo-{index:02d}")
             assert "model logreg trains with the layerwise engine" in log, log[-3000:]

@@ -21,8 +21,10 @@ from typing import Any
 
 from ..runs.processes import descendants
 
-DPCFL = [str(Path(sys.executable).parent / "dpcfl")]
-FLWR = str(Path(sys.executable).parent / "flwr")
+#: The environment whose ``dpcfl`` and ``flwr`` a deployment runs unless told another: this one.
+BIN_DIR = Path(sys.executable).parent
+DPCFL = [str(BIN_DIR / "dpcfl")]
+FLWR = str(BIN_DIR / "flwr")
 
 
 def free_port() -> int:
@@ -47,10 +49,16 @@ def silo_flags(run_config: Mapping[str, Any]) -> list[str]:
 
 
 class LocalDeployment:
-    """A SuperLink and ``silos`` silos of topology ``clusters``, as the README starts them."""
+    """A SuperLink and ``silos`` silos of topology ``clusters``, as the README starts them.
 
-    def __init__(self, root: Path, clusters: str = "2,2") -> None:
+    ``bin_dir``: the ``bin`` directory of the environment every process runs from (its
+    ``dpcfl`` and ``flwr``; they start Flower's commands from the same directory), a silo
+    operator's virtual environment say; by default the environment running this Python.
+    """
+
+    def __init__(self, root: Path, clusters: str = "2,2", bin_dir: Path | None = None) -> None:
         self.root = root
+        self.bin_dir = bin_dir or BIN_DIR
         self.clusters = clusters
         self.silos = sum(int(c) for c in clusters.split(","))
         self.fleet, self.api = free_port(), free_port()
@@ -59,13 +67,15 @@ class LocalDeployment:
         self._server: list[str] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*DPCFL, *args], cwd=self.root, env=self.env, text=True,
-                              capture_output=True, timeout=timeout, check=True)
+        return subprocess.run([str(self.bin_dir / "dpcfl"), *args], cwd=self.root,
+                              env=self.env, text=True, capture_output=True, timeout=timeout,
+                              check=True)
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = (self.root / f"{name}.log").open("w")
-        process = subprocess.Popen([*DPCFL, *args], cwd=self.root, env=self.env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen([str(self.bin_dir / "dpcfl"), *args], cwd=self.root,
+                                   env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         self.processes[name] = process
         return process
 
@@ -130,9 +140,10 @@ class LocalDeployment:
         path = self.root / f"{out}.toml"
         path.write_text("".join(f"{k} = {v}\n" for k, v in values.items()))
         log = (self.root / f"{out}.log").open("w")
-        return subprocess.Popen([FLWR, "run", str(app), "dpcfl", "--run-config", str(path),
-                                 "--stream"], cwd=app, env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([str(self.bin_dir / "flwr"), "run", str(app), "dpcfl",
+                                 "--run-config", str(path), "--stream"], cwd=app,
+                                env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
     def down(self) -> None:
         _kill_all(list(self.processes.values()))
