@@ -373,13 +373,7 @@ def _group_norm(module: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> _Laye
     ``a`` and ``g`` are (B, C, *positions): the scale's gradient is the normalised input times
     the output gradient summed over positions, the shift's the output gradient summed."""
     normalised = F.group_norm(a, module.num_groups, eps=module.eps)
-    dims = tuple(range(2, a.dim()))  # none for (B, C) inputs
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if _trained(module.weight):
-        pairs.append((module.weight, _summed_over(normalised * g, dims)))
-    if _trained(module.bias):
-        pairs.append((module.bias, _summed_over(g, dims)))
-    return _materialised(pairs)
+    return _affine_grads(module, normalised, g, tuple(range(2, a.dim())))  # none for (B, C)
 
 
 def _layer_norm(module: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
@@ -392,12 +386,20 @@ def _layer_norm(module: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor) -> _Laye
     ``elementwise_affine=False`` (no parameters) never gets here; ``bias=False`` has no bias."""
     shape = tuple(module.normalized_shape)
     normalised = F.layer_norm(a, shape, eps=module.eps)
-    dims = tuple(range(1, a.dim() - len(shape)))  # the positions between batch and shape
+    # the positions between batch and shape
+    return _affine_grads(module, normalised, g, tuple(range(1, a.dim() - len(shape))))
+
+
+def _affine_grads(module: nn.GroupNorm | nn.LayerNorm, normalised: torch.Tensor,
+                  g: torch.Tensor, positions: tuple[int, ...]) -> _LayerGrads:
+    """A normalisation layer's per-sample gradients of its affine map y = w x_hat + b: the
+    scale's is x_hat * g, the shift's g, each summed over the record's ``positions`` (dims
+    of ``g``); a frozen or absent parameter gets none."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     if _trained(module.weight):
-        pairs.append((module.weight, _summed_over(normalised * g, dims)))
+        pairs.append((module.weight, _summed_over(normalised * g, positions)))
     if _trained(module.bias):
-        pairs.append((module.bias, _summed_over(g, dims)))
+        pairs.append((module.bias, _summed_over(g, positions)))
     return _materialised(pairs)
 
 
