@@ -17,6 +17,7 @@ relates the outcome to age, blood pressure and sex.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import tomllib
@@ -195,5 +196,7 @@ def test_own_data_walkthrough_runs_three_silos_on_their_own_csv_files(tmp_path):
         assert silo["num_train"] == _drawn_split(silo_file)["train"], silo
         assert silo["epsilon_budget"] == epsilon and silo["delta"] == delta, silo
         assert 0 < silo["epsilon_spent"] <= epsilon, silo
-        assert silo["test_accuracy"] is not None and 0 <= silo["test_accuracy"] <= 1, silo
+        # A deployed silo reports its metrics privately (docs/privacy.md): a noisy estimate,
+        # which on 40 test records may fall outside [0, 1]; present and finite is the claim.
+        assert silo["test_accuracy"] is not None and math.isfinite(silo["test_accuracy"]), silo
         assert not silo["stale"] and not silo["dropped_rounds"], silo
