@@ -180,6 +180,18 @@ def compare_grid(config: Path, methods: str, seeds: str, out: Path, settings: di
         raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
 
 
+def finished_runs(folder: Path, cells: str = "*/eps*/seed*") -> list[dict[str, Any]]:
+    """The results.json of every finished ``dpcfl compare`` cell below ``folder`` (``cells``:
+    where they lie, by default ``<method>/eps*/seed*``), in path order; unfinished cells are
+    left out."""
+    found = []
+    for path in sorted(folder.glob(f"{cells}/results.json")):
+        results = json.loads(path.read_text())
+        if results.get("complete"):
+            found.append(results)
+    return found
+
+
 def simulate_quick(out: Path, **overrides: object) -> tuple[float, dict]:
     """The quick example exactly as a user runs it (a fresh ``dpcfl simulate`` process, so the
     wall time includes Python and Ray start-up), with ``--set key=value`` overrides; returns

@@ -45,7 +45,6 @@ Two parts:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -59,7 +58,7 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import REPO, compare_grid, publish  # noqa: E402
+from bench.common import REPO, compare_grid, finished_runs, publish  # noqa: E402
 from dpcfl_flwr.clustering import NoiseAwareClusterer, UpdateClusterer  # noqa: E402
 from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 from dpcfl_flwr.data import Topology, load_dataset, make_client_data  # noqa: E402
@@ -279,15 +278,6 @@ def run_grids(seeds: str, spreads: Sequence[str], draws: Sequence[int],
                              {"silo-epsilons": epsilons, **overrides}, epsilons="5")
 
 
-def _results(path: Path) -> list[dict[str, Any]]:
-    found = []
-    for file in sorted(path.glob("*/eps*/seed*/results.json")):
-        results = json.loads(file.read_text())
-        if results.get("complete"):
-            found.append(results)
-    return found
-
-
 def runs_table(spreads: Sequence[str], draws: Sequence[int]) -> str:
     lines = ["| spread | method | runs | round-1 ARI | confidently wrong in round 1 | "
              "final ARI | exact partition | mean acc (%) | minority acc (%) |",
@@ -297,8 +287,8 @@ def runs_table(spreads: Sequence[str], draws: Sequence[int]) -> str:
         for draw in (draws if spread != "equal" else [0]):
             out = grid_out(spread, draw)
             for mixture in MIXTURES:
-                rows.setdefault(f"rdpcfl, {mixture}", []).extend(_results(out / mixture))
-            for results in _results(out / "baselines"):
+                rows.setdefault(f"rdpcfl, {mixture}", []).extend(finished_runs(out / mixture))
+            for results in finished_runs(out / "baselines"):
                 rows.setdefault(results["method"], []).append(results)
         for name, found in rows.items():
             if not found:

@@ -23,7 +23,6 @@ stopped at any time and continued by running this again:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import REPO, compare_grid, publish  # noqa: E402
+from bench.common import REPO, compare_grid, finished_runs, publish  # noqa: E402
 from dpcfl_flwr.config.paper_budgets import DISTRIBUTIONS  # noqa: E402
 
 OUT = REPO / "results" / "robust-hdp"
@@ -47,12 +46,7 @@ LIARS = 3
 
 def runs(out: Path, method: str, rule: str) -> list[dict[str, Any]]:
     """The finished results of one grid row, one per seed."""
-    found = []
-    for path in sorted((out / f"{method}-{rule}").glob("eps*/seed*/results.json")):
-        results = json.loads(path.read_text())
-        if results.get("complete"):
-            found.append(results)
-    return found
+    return finished_runs(out / f"{method}-{rule}", "eps*/seed*")
 
 
 def local_steps(results: dict[str, Any]) -> dict[str, int]:

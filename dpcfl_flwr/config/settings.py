@@ -329,9 +329,8 @@ class ExperimentConfig(ConfigModel):
         count = self.topology.num_clients
         if needed <= count:
             return None
-        settings = "".join(f", {key} = {value}" for key, value in
-                           self.params.model_dump(by_alias=True).items()
-                           if key in ("n-clusters", "n_clusters"))
+        clusters = getattr(self.params, "n_clusters", None)
+        settings = "" if clusters is None else f", n-clusters = {clusters}"
         return (f"method {self.method}{settings} needs at least {needed} silos, but "
                 f"clusters = {self.clusters!r} has {count}")
 
