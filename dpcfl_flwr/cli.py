@@ -24,6 +24,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .data import DataError
 from .privacy.budget import plan_noise
+from .privacy.defaults import DEFAULT_ACCOUNTANT, DEFAULT_BUDGET_MODE, DEFAULT_CONVERSION
 from .privacy.schedule import FULL_BATCH, two_stage_schedule
 from .results.privacy_report import (
     compare_accountants,
@@ -169,21 +170,22 @@ def privacy_noise(
     rounds: int = typer.Option(..., "--rounds", min=1, help="Communication rounds E."),
     epochs: int = typer.Option(1, "--epochs", min=1, help="Local epochs K per round."),
     conversion: ConversionChoice = typer.Option(
-        ConversionChoice.CLASSIC, "--conversion",
-        help="RDP to (eps, delta): classic (the authors') or tight (Balle et al. 2020)."),
+        ConversionChoice(DEFAULT_CONVERSION), "--conversion",
+        help="RDP to (eps, delta): tight (Balle et al. 2020) or classic (the authors')."),
     select_rounds: int = typer.Option(0, "--select-rounds", min=0,
                                       help="Private cluster selections T_sel to reserve for."),
     select_ratio: float = typer.Option(0.03, "--select-ratio", min=0.0, max=1.0,
                                        help="eps_select = ratio * eps."),
     budget_mode: BudgetModeChoice = typer.Option(
-        BudgetModeChoice.SPLIT, "--budget-mode",
-        help="split: the authors' eps_train = eps - eps_clustering; joint: one RDP conversion."),
+        BudgetModeChoice(DEFAULT_BUDGET_MODE), "--budget-mode",
+        help="joint: everything composed, converted once; split: the authors' eps_train = "
+        "eps - eps_clustering (their noise levels with --conversion classic --accountant rdp)."),
     paper_steps: bool = typer.Option(
         False, "--paper-steps", help="Count N/b steps per epoch (the authors' planning formula) "
         "instead of the ceil(N/b) a client executes."),
     accountant: AccountantChoice = typer.Option(
-        AccountantChoice.RDP, "--accountant", help="rdp; pld: RDP's and PLD's plans side by "
-        "side (docs/privacy.md#pld-accounting)."),
+        AccountantChoice(DEFAULT_ACCOUNTANT), "--accountant", help="pld: RDP's and PLD's plans "
+        "side by side, a silo using PLD's (docs/privacy.md#pld-accounting); rdp: RDP's alone."),
     at_z: float = typer.Option(None, "--at-z", min=0.0, help="With --accountant pld: the z to "
                                "show both epsilons at (default: RDP's z)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

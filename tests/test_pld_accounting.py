@@ -123,8 +123,8 @@ SMALL = two_stage_schedule(200, 20, 1, 6)  # a fast schedule: 1 full step, 50 at
 @pytest.mark.parametrize("mode", ["split", "joint"])
 def test_calibration_reaches_the_target_from_below(mode):
     eps, selections = 2.0, 2
-    plan = plan_noise(SMALL, eps, DELTA, selections, 0.03, mode=mode, accountant="pld")
-    rdp_plan = plan_noise(SMALL, eps, DELTA, selections, 0.03, mode=mode)
+    plan = plan_noise(SMALL, eps, DELTA, selections, 0.03, "classic", mode, accountant="pld")
+    rdp_plan = plan_noise(SMALL, eps, DELTA, selections, 0.03, "classic", mode, accountant="rdp")
     chosen = [(plan.split.epsilon_select, selections)] if mode == "joint" else []
     target = eps if mode == "joint" else plan.split.epsilon_train
 
@@ -173,15 +173,18 @@ def test_the_ledger_refuses_under_pld_as_before():
         ledger.record([entry])
     assert eps * 0.999 < ledger.spent(budget) <= eps
     # the same history measured by RDP overspends: the pld z is below the RDP one
-    assert ledger.spent(PrivacyBudget(eps, DELTA)) > eps
+    assert ledger.spent(PrivacyBudget(eps, DELTA, accountant="rdp")) > eps
     assert ledger.would_exceed([GaussianSteps(z, b / n, 10, round=rounds + 1)], budget)
 
 
 def test_rdp_schedules_keep_their_key():
-    rdp = Schedule(30, 1, 32, "full", 3, 0.03, "classic", "split")
+    """A schedule names its accountant unless it is rdp, which an unnamed one always meant:
+    a run planned before the default became pld keeps its key (and its silos their z)."""
+    rdp = Schedule(30, 1, 32, "full", 3, 0.03, "classic", "split", accountant="rdp")
     assert "accountant" not in rdp.to_config()
     pld = Schedule(30, 1, 32, "full", 3, 0.03, "classic", "split", accountant="pld")
     assert pld.to_config()["accountant"] == "pld" and pld.key() != rdp.key()
+    assert Schedule(30, 1, 32, "full", 3, 0.03, "tight", "joint").accountant == "pld"
 
 
 @pytest.fixture()
@@ -204,10 +207,11 @@ def test_the_silo_accountant_wins_over_the_run_config(experiment, run, node, use
     assert silo.budget.accountant == used
 
 
-def test_a_deployed_silo_without_a_choice_uses_rdp(experiment, tmp_path):
+def test_a_deployed_silo_without_a_choice_uses_pld(experiment, tmp_path):
+    """The default (docs/privacy.md#the-default-accounting), whatever the server proposes."""
     node = {"partition-id": 1, "epsilon": 4.0, "delta": 1e-4,
             "ledger-path": str(tmp_path / "ledger.json")}
-    assert Silo(parse_node_config(node), experiment("pld"), 7).budget.accountant == "rdp"
+    assert Silo(parse_node_config(node), experiment("rdp"), 7).budget.accountant == "pld"
 
 
 def test_a_pld_silo_plans_records_its_accountant_and_refuses(experiment):

@@ -32,7 +32,7 @@ def test_ledger_epsilon_equals_opacus_accountant_fed_the_same_history():
     for entry in ledger.entries:
         accountant.history.append((entry.noise_multiplier, entry.sample_rate, entry.steps))
     theirs = accountant.get_epsilon(DELTA, alphas=list(DEFAULT_ORDERS))
-    assert ledger.epsilon(DELTA, "tight") == pytest.approx(theirs, rel=1e-6)
+    assert ledger.epsilon(DELTA, "tight", accountant="rdp") == pytest.approx(theirs, rel=1e-6)
 
 
 def test_ledger_with_selections_matches_independent_composition():
@@ -48,15 +48,18 @@ def test_ledger_with_selections_matches_independent_composition():
         for e in history
     ) + 5 * orders * 0.3**2 / 8
     expected = np.min(curve + np.log(1 / DELTA) / (orders - 1))
-    assert ledger.epsilon(DELTA, "classic") == pytest.approx(expected, rel=1e-6)
+    assert ledger.epsilon(DELTA, "classic", accountant="rdp") == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["split", "joint"])
-def test_full_planned_rdpcfl_run_fits_the_budget(mode):
+@pytest.mark.parametrize(("mode", "conversion"), [("split", "classic"), ("joint", "tight")])
+def test_full_planned_rdpcfl_run_fits_the_budget(mode, conversion):
+    """Under RDP alone (the default's PLD side: tests/test_pld_accounting.py); the split mode
+    as the authors account, the joint one at the default's conversion."""
     n, b, rounds, eps = 500, 32, 30, 10.0
-    plan = plan_noise(two_stage_schedule(n, b, 1, rounds), eps, DELTA, select_rounds=3, mode=mode)
+    plan = plan_noise(two_stage_schedule(n, b, 1, rounds), eps, DELTA, select_rounds=3,
+                      conversion=conversion, mode=mode, accountant="rdp")
     z = plan.noise_multiplier
-    budget = PrivacyBudget(eps, DELTA)
+    budget = PrivacyBudget(eps, DELTA, conversion, accountant="rdp")
     ledger = PrivacyLedger()
     for entry in _rdpcfl_history(z, n, b, rounds):
         assert not ledger.would_exceed([entry], budget)
@@ -121,7 +124,7 @@ def test_composition_adds_rdp_curves():
     np.testing.assert_allclose(a.composed(b).rdp(), a.rdp() + b.rdp())
     np.testing.assert_allclose(b.rdp(), 3 * selection_rdp(0.5))
     eps, _ = rdp_to_dp(a.rdp() + b.rdp(), DELTA)
-    assert a.composed(b).epsilon(DELTA) == pytest.approx(eps)
+    assert a.composed(b).epsilon(DELTA, accountant="rdp") == pytest.approx(eps)
 
 
 def test_invalid_entries_are_rejected():

@@ -21,7 +21,7 @@ from typing import ClassVar
 from .calibration import calibrate_noise_multiplier, solve_noise_multiplier
 from .history import ACCOUNTANTS, DEFAULT_ACCOUNTANT, EMPTY, AccountantName, History
 from .pld import pld_epsilon
-from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp
+from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, rdp_to_dp
 from .schedule import GaussianPhase
 
 
@@ -31,13 +31,13 @@ class Accountant(ABC):
     name: ClassVar[AccountantName]
 
     @abstractmethod
-    def epsilon(self, history: History, delta: float, conversion: Conversion = "classic",
+    def epsilon(self, history: History, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
                 orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         """Epsilon at ``delta`` of the whole ``history`` (0 when it holds no mechanism)."""
 
     @abstractmethod
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
-                  conversion: Conversion = "classic", history: History = EMPTY,
+                  conversion: Conversion = DEFAULT_CONVERSION, history: History = EMPTY,
                   orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         """The smallest z at which ``phases`` (DP-SGD at z) composed with ``history`` spend at
         most ``target_epsilon`` (docs/privacy.md#calibrating-z); ValueError when no z does."""
@@ -48,14 +48,14 @@ class RdpAccountant(Accountant):
 
     name = "rdp"
 
-    def epsilon(self, history: History, delta: float, conversion: Conversion = "classic",
+    def epsilon(self, history: History, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
                 orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         if not history:
             return 0.0
         return rdp_to_dp(history.rdp(orders), delta, conversion, orders)[0]
 
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
-                  conversion: Conversion = "classic", history: History = EMPTY,
+                  conversion: Conversion = DEFAULT_CONVERSION, history: History = EMPTY,
                   orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         extra = history.rdp(orders) if history else None
         return calibrate_noise_multiplier(phases, target_epsilon, delta, conversion, extra,
@@ -67,7 +67,7 @@ class PldAccountant(Accountant):
 
     name = "pld"
 
-    def epsilon(self, history: History, delta: float, conversion: Conversion = "classic",
+    def epsilon(self, history: History, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
                 orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         if not history:
             return 0.0
@@ -75,7 +75,7 @@ class PldAccountant(Accountant):
         return min(pld_epsilon(history.gaussian, history.selections, delta), rdp)
 
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
-                  conversion: Conversion = "classic", history: History = EMPTY,
+                  conversion: Conversion = DEFAULT_CONVERSION, history: History = EMPTY,
                   orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         """The RDP z of the same history meets the target (this figure is never above the
         RDP one) and bounds the search from above; PLDs of very small z would need huge grids,

@@ -1,26 +1,27 @@
-"""A client's total budget eps_total split between training and private cluster selection.
+"""A client's total budget eps_total shared between training and private cluster selection.
 
-docs/privacy.md#budget-split-and-joint-mode (P7, P8). The authors spend eps_select = ratio *
-eps_total per exponential-mechanism selection, charge T_sel selections as alpha *
-eps_select^2 / 8 in RDP (zCDP of the exponential mechanism), convert that alone to
-eps_clustering, and calibrate DP-SGD to eps_train = eps_total - eps_clustering. Strictly this
-composes to (eps_total, 2*delta). The ``joint`` alternative adds the two RDP curves and
-converts once, which yields (eps_total, delta) and a smaller z. Either mode runs under
-either accountant (``rdp``, or ``pld``: docs/privacy.md#pld-accounting).
+docs/privacy.md#budget-split-and-joint-mode (P7, P8). Every selection spends eps_select =
+ratio * eps_total. ``joint`` (the default, :mod:`.defaults`) composes the T_sel selections
+with the DP-SGD schedule into one history and calibrates z so that the whole converts once to
+eps_total: (eps_total, delta), and the run as planned spends its whole budget. ``split`` is
+the authors': T_sel selections charged as alpha * eps_select^2 / 8 in RDP (zCDP of the
+exponential mechanism) and converted alone to eps_clustering, DP-SGD calibrated to eps_train
+= eps_total - eps_clustering; strictly (eps_total, 2*delta), and since the two parts compose
+to less than their sum, a split run ends below its budget. Either mode runs under either
+accountant (``pld``, ``rdp``: docs/privacy.md#pld-accounting).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from .accountants import DEFAULT_ACCOUNTANT, AccountantName, accountant_named
+from .defaults import DEFAULT_BUDGET_MODE, BudgetMode
 from .history import EMPTY, History
-from .rdp import DEFAULT_ORDERS, Conversion
+from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion
 from .schedule import GaussianPhase
-
-BudgetMode = Literal["split", "joint"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class BudgetSplit:
 
 def split_budget(
     epsilon_total: float, delta: float, select_rounds: int, select_ratio: float = 0.03,
-    conversion: Conversion = "classic", mode: BudgetMode = "split",
+    conversion: Conversion = DEFAULT_CONVERSION, mode: BudgetMode = DEFAULT_BUDGET_MODE,
     orders: Sequence[float] = DEFAULT_ORDERS, accountant: AccountantName = DEFAULT_ACCOUNTANT,
 ) -> BudgetSplit:
     """Divide eps_total (docs/privacy.md#reference-values). In ``joint`` mode eps_clustering
@@ -89,9 +90,10 @@ class NoisePlan:
 
 def plan_noise(
     phases: Sequence[GaussianPhase], epsilon_total: float, delta: float,
-    select_rounds: int = 0, select_ratio: float = 0.03, conversion: Conversion = "classic",
-    mode: BudgetMode = "split", orders: Sequence[float] = DEFAULT_ORDERS,
-    history: History = EMPTY, accountant: AccountantName = DEFAULT_ACCOUNTANT,
+    select_rounds: int = 0, select_ratio: float = 0.03,
+    conversion: Conversion = DEFAULT_CONVERSION, mode: BudgetMode = DEFAULT_BUDGET_MODE,
+    orders: Sequence[float] = DEFAULT_ORDERS, history: History = EMPTY,
+    accountant: AccountantName = DEFAULT_ACCOUNTANT,
 ) -> NoisePlan:
     """Calibrate z for a schedule under eps_total, reserving budget for T_sel selections.
 

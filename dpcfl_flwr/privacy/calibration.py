@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from scipy import optimize
 
-from .rdp import DEFAULT_ORDERS, Conversion, rdp_to_dp
+from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, rdp_to_dp
 from .schedule import GaussianPhase, schedule_rdp
 
 # Calibrate to a hair under the target so that the ledger, which sums the same RDP terms in a
@@ -18,7 +18,7 @@ _SAFETY = 1e-9
 
 def schedule_epsilon(
     phases: Sequence[GaussianPhase], noise_multiplier: float, delta: float,
-    conversion: Conversion = "classic", extra_rdp: np.ndarray | None = None,
+    conversion: Conversion = DEFAULT_CONVERSION, extra_rdp: np.ndarray | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
 ) -> float:
     """eps spent by a schedule at noise multiplier z, plus an optional extra RDP curve."""
@@ -30,7 +30,7 @@ def schedule_epsilon(
 
 def calibrate_noise_multiplier(
     phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
-    conversion: Conversion = "classic", extra_rdp: np.ndarray | None = None,
+    conversion: Conversion = DEFAULT_CONVERSION, extra_rdp: np.ndarray | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     lower: float = 1e-3, upper: float = 1e3, relative_tolerance: float = 1e-7,
 ) -> float:

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from .defaults import ACCOUNTANTS, DEFAULT_ACCOUNTANT, UNNAMED_ACCOUNTANT, AccountantName
 from .rdp import sgm_rdp
 from .selection import selection_rdp
 
-#: The names of the accountants that read a history (:mod:`.accountants`), as configs, plans
-#: and schedules write them; the default first.
-AccountantName = Literal["rdp", "pld"]
-ACCOUNTANTS: tuple[AccountantName, ...] = ("rdp", "pld")
-DEFAULT_ACCOUNTANT: AccountantName = "rdp"
+__all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "EMPTY", "UNNAMED_ACCOUNTANT", "AccountantName",
+           "GaussianRun", "History", "SelectionRun"]
 
 #: (noise multiplier z, sample rate q, steps): ``steps`` Gaussian steps, Poisson rate q.
 GaussianRun = tuple[float, float, float]

@@ -29,7 +29,7 @@ import numpy as np
 from ..files import write_atomically
 from .accountants import DEFAULT_ACCOUNTANT, AccountantName, accountant_named
 from .history import History
-from .rdp import DEFAULT_ORDERS, Conversion, sgm_rdp
+from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, sgm_rdp
 from .selection import selection_rdp
 
 LEDGER_FORMAT = 1
@@ -101,7 +101,7 @@ class PrivacyBudget:
 
     epsilon: float
     delta: float
-    conversion: Conversion = "classic"
+    conversion: Conversion = DEFAULT_CONVERSION
     accountant: AccountantName = DEFAULT_ACCOUNTANT
 
     def __post_init__(self) -> None:
@@ -154,7 +154,7 @@ class PrivacyLedger:
         """RDP curve of the history (plus hypothetical ``extra`` entries)."""
         return self.history(extra).rdp(self.orders)
 
-    def epsilon(self, delta: float, conversion: Conversion = "classic",
+    def epsilon(self, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
                 extra: Iterable[Entry] = (), accountant: str = DEFAULT_ACCOUNTANT) -> float:
         """eps at ``delta`` of every (eps, delta)-DP mechanism recorded (0 when there is none;
         d-privacy releases do not count), the whole history under one ``accountant``

@@ -14,12 +14,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 from scipy import special
 
-Conversion = Literal["classic", "tight"]
+from .defaults import DEFAULT_CONVERSION, Conversion
 
 #: RDP orders alpha used throughout: 1.1, 1.2, ..., 10.9 then the integers 12..63 (the
 #: TF-Privacy/authors' grid, which is also Opacus' default; docs/privacy.md#rdp-orders).
@@ -137,7 +136,7 @@ def _per_step_curve(sample_rate: float, noise_multiplier: float,
 
 
 def rdp_to_dp(
-    rdp: np.ndarray, delta: float, conversion: Conversion = "classic",
+    rdp: np.ndarray, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
     orders: Sequence[float] = DEFAULT_ORDERS,
 ) -> tuple[float, float]:
     """Convert an RDP curve to (eps, delta)-DP; returns (epsilon, best order).

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .history import DEFAULT_ACCOUNTANT, AccountantName
+from .defaults import BudgetMode, Conversion
+from .history import DEFAULT_ACCOUNTANT, UNNAMED_ACCOUNTANT, AccountantName
 from .rdp import DEFAULT_ORDERS, sgm_rdp
 
 FULL_BATCH = "full"
@@ -105,8 +106,8 @@ class Schedule:
     first_batch: int | Literal["full"]
     select_rounds: int
     select_ratio: float
-    conversion: Literal["classic", "tight"]
-    budget_mode: Literal["split", "joint"]
+    conversion: Conversion
+    budget_mode: BudgetMode
     #: evaluate queries the server will send; a silo with private metrics reserves budget
     #: for them (and refuses more once its budget is spent)
     evaluations: int = 0
@@ -128,7 +129,7 @@ class Schedule:
         }
         if self.epsilon_target > 0:  # absent otherwise: runs planned before it keep their key
             config["epsilon-target"] = self.epsilon_target
-        if self.accountant != DEFAULT_ACCOUNTANT:  # default runs keep their planned key
+        if self.accountant != UNNAMED_ACCOUNTANT:  # RDP runs keep the key they were planned by
             config["accountant"] = self.accountant
         return config
 

@@ -15,6 +15,7 @@ from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from ..config.validation import ConfigError, ConfigModel, one_line_error
+from ..privacy.defaults import UNNAMED_ACCOUNTANT, AccountantName, BudgetMode, Conversion
 from ..privacy.schedule import Schedule
 from ..protocol import CONFIG, OWN
 
@@ -61,14 +62,14 @@ class TrainRequest(_Request):
     first_batch: str
     select_rounds: int = Field(ge=0, le=MAX_ROUNDS)
     select_ratio: float = Field(ge=0.0, lt=1.0)
-    conversion: Literal["classic", "tight"]
-    budget_mode: Literal["split", "joint"]
+    conversion: Conversion
+    budget_mode: BudgetMode
     evaluations: int = Field(0, ge=0, le=MAX_ROUNDS)
     # calibrate for this smaller epsilon if it is below the silo's budget (0: the budget)
     epsilon_target: float = Field(0.0, ge=0.0)
-    # the accountant the server proposes; the silo's own choice rules
-    # (config.SiloConfig.accountant)
-    accountant: Literal["rdp", "pld"] = "rdp"
+    # the accountant the server proposes (absent: rdp, what every message meant before there
+    # was a choice); the silo's own choice rules (config.SiloConfig.accountant)
+    accountant: AccountantName = UNNAMED_ACCOUNTANT
     # how the run expects the silo to privatise; the silo refuses one that is not its own
     privatiser: Literal["dpsgd", "dprivacy"] = "dpsgd"
 

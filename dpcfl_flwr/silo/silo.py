@@ -39,7 +39,7 @@ from ..dpsgd.training import (
 from ..models import ModelSpec, build
 from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
 from ..privacy.budget import plan_noise
-from ..privacy.history import History
+from ..privacy.history import UNNAMED_ACCOUNTANT, History
 from ..privacy.ledger import (
     Entry,
     GaussianSteps,
@@ -73,7 +73,7 @@ class SiloPlan:
     noise_multiplier: float
     epsilon_select: float
     schedule_key: str
-    accountant: str = DEFAULT_ACCOUNTANT
+    accountant: str = UNNAMED_ACCOUNTANT
 
 
 @functools.lru_cache(maxsize=32)
