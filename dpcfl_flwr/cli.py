@@ -27,6 +27,7 @@ from .privacy.budget import plan_noise
 from .privacy.defaults import DEFAULT_ACCOUNTANT, DEFAULT_BUDGET_MODE, DEFAULT_CONVERSION
 from .privacy.schedule import FULL_BATCH, two_stage_schedule
 from .results.privacy_report import (
+    authors_noise_multiplier,
     compare_accountants,
     plan_dict,
     print_comparison,
@@ -201,14 +202,15 @@ def privacy_noise(
                                        conversion.value, budget_mode.value, at_z)
         else:
             plan = plan_noise(schedule, epsilon, delta, select_rounds, select_ratio,
-                              conversion.value, budget_mode.value)
+                              conversion.value, budget_mode.value, accountant="rdp")
     except ValueError as exc:
         _fail(str(exc))
         return
+    authors = authors_noise_multiplier(schedule, epsilon, delta, select_rounds, select_ratio)
     if accountant == AccountantChoice.PLD:
-        result = {**both, **shape}
+        result = {**both, **shape, "authors_noise_multiplier": authors}
     else:
-        result = {**plan_dict(plan), **shape}
+        result = {**plan_dict(plan), **shape, "authors_noise_multiplier": authors}
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif accountant == AccountantChoice.PLD:

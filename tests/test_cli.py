@@ -27,20 +27,37 @@ def test_noise_command_prints_the_reference_table_value():
     # -> R-DPCFL z = 1.85.
     out = _run("privacy", "noise", "--samples", "8000", "--batch", "32", "--first-batch", "full",
                "--epsilon", "3.5040", "--delta", "1e-4", "--rounds", "200", "--epochs", "1",
-               "--conversion", "classic").stdout
+               "--conversion", "classic", "--accountant", "rdp").stdout
     z = float(re.search(r"noise multiplier z\s*│\s*([0-9.]+)", out).group(1))
     assert z == pytest.approx(1.85, abs=0.01)
 
 
 def test_noise_command_json_with_selection_budget():
+    # the authors' accounting, named (docs/privacy.md#reference-values)
     out = _run("privacy", "noise", "--samples", "8000", "--batch", "32", "--epsilon", "5",
                "--rounds", "200", "--select-rounds", "20", "--select-ratio", "0.03",
+               "--budget-mode", "split", "--conversion", "classic", "--accountant", "rdp",
                "--json").stdout
     result = json.loads(out)
     assert result["split"]["epsilon_train"] == pytest.approx(3.5040, abs=1e-3)
     assert result["split"]["epsilon_clustering"] == pytest.approx(1.4960, abs=1e-3)
     assert result["noise_multiplier"] == pytest.approx(1.85, abs=0.01)
     assert result["noise_multiplier_2dp_up"] >= result["noise_multiplier"]
+
+
+def test_noise_command_defaults_to_the_whole_budget_accounting():
+    # docs/privacy.md#the-default-accounting, at the paper's scale and eps = 10: everything
+    # composed and converted once (tight), PLD beside RDP; 20 selections make RDP the tighter,
+    # so both give z = 0.8524 against the authors' 1.0889
+    out = _run("privacy", "noise", "--samples", "8000", "--batch", "32", "--epsilon", "10",
+               "--rounds", "200", "--select-rounds", "20", "--json").stdout
+    result = json.loads(out)
+    assert result["pld"]["split"]["mode"] == "joint"
+    assert result["pld"]["split"]["conversion"] == "tight"
+    assert result["pld"]["noise_multiplier"] == pytest.approx(0.8524, abs=1e-4)
+    assert result["rdp"]["noise_multiplier"] == pytest.approx(0.8524, abs=1e-4)
+    assert result["epsilon_at_z"]["pld"] == pytest.approx(10.0, abs=1e-6)
+    assert result["authors_noise_multiplier"] == pytest.approx(1.0889, abs=1e-4)
 
 
 def test_noise_command_errors_are_one_line_and_exit_2():

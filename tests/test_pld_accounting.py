@@ -177,6 +177,18 @@ def test_the_ledger_refuses_under_pld_as_before():
     assert ledger.would_exceed([GaussianSteps(z, b / n, 10, round=rounds + 1)], budget)
 
 
+def test_a_history_too_long_to_compose_is_measured_by_rdp():
+    """A server chooses the schedule a silo plans for, and composing 10^7 sampled steps by
+    PLD takes minutes: beyond MAX_COMPOSED the pld accountant reports, and calibrates for,
+    the RDP figure of the history, also a proven bound."""
+    long = single_stage_schedule(80, 1, 125, 100)  # 10^6 steps at q = 1/80
+    assert long[0].steps > pld_module.MAX_COMPOSED
+    pld, rdp = accountant_named("pld"), accountant_named("rdp")
+    assert pld.calibrate(long, 4.0, 1e-5) == rdp.calibrate(long, 4.0, 1e-5)
+    history = History(((14.5, 1 / 80, 10**6),), ((0.12, 2),))
+    assert pld.epsilon(history, 1e-5) == rdp.epsilon(history, 1e-5)
+
+
 def test_rdp_schedules_keep_their_key():
     """A schedule names its accountant unless it is rdp, which an unnamed one always meant:
     a run planned before the default became pld keeps its key (and its silos their z)."""

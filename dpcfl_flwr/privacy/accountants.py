@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from .calibration import calibrate_noise_multiplier, solve_noise_multiplier
 from .history import ACCOUNTANTS, DEFAULT_ACCOUNTANT, EMPTY, AccountantName, History
-from .pld import pld_epsilon
+from .pld import composable, pld_epsilon
 from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, rdp_to_dp
 from .schedule import GaussianPhase
 
@@ -72,6 +72,8 @@ class PldAccountant(Accountant):
         if not history:
             return 0.0
         rdp = RdpAccountant().epsilon(history, delta, conversion, orders)
+        if not composable(history.gaussian, history.selections):
+            return rdp  # too long to compose by PLD here: the RDP bound alone
         return min(pld_epsilon(history.gaussian, history.selections, delta), rdp)
 
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
@@ -82,6 +84,9 @@ class PldAccountant(Accountant):
         so the lower end is found by stepping down from there instead of starting at 0.001."""
         upper = RdpAccountant().calibrate(phases, target_epsilon, delta, conversion, history,
                                           orders)
+        planned = History(tuple((upper, p.sample_rate, p.steps) for p in phases)) + history
+        if not composable(planned.gaussian, planned.selections):
+            return upper  # measured by RDP alone at every z (:meth:`epsilon`)
 
         def eps(z: float) -> float:
             runs = History(tuple((z, p.sample_rate, p.steps) for p in phases))

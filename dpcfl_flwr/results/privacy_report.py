@@ -49,6 +49,26 @@ def compare_accountants(phases: Sequence[GaussianPhase], epsilon: float, delta: 
                                                 conversion)}
 
 
+def authors_noise_multiplier(phases: Sequence[GaussianPhase], epsilon: float, delta: float,
+                             select_rounds: int, select_ratio: float) -> float | None:
+    """z for the same schedule under the authors' accounting (``split``, ``classic``,
+    ``rdp``: :data:`~..privacy.defaults.AUTHORS_ACCOUNTING`), to set a plan beside theirs;
+    None when their split leaves nothing for training."""
+    try:
+        return plan_noise(phases, epsilon, delta, select_rounds, select_ratio, "classic",
+                          "split", accountant="rdp").noise_multiplier
+    except ValueError:
+        return None
+
+
+def _print_authors(console: Console, result: dict[str, Any]) -> None:
+    z = result.get("authors_noise_multiplier")
+    console.print("the authors' accounting (budget mode split, conversion classic, rdp): "
+                  + (f"z = {z:.4f}" if z is not None else "no z fits (their split leaves "
+                     "nothing for training)") + " for the same schedule and budget",
+                  highlight=False)
+
+
 def _schedule_text(phases: list[dict[str, Any]]) -> str:
     return ", ".join(f"{p['steps']:g} steps at q={p['sample_rate']:.4g}" for p in phases)
 
@@ -66,9 +86,11 @@ def print_noise_table(console: Console, result: dict[str, Any], with_selection: 
         table.add_row("budget mode", split["mode"])
         table.add_row("eps_select (per selection)", f"{split['epsilon_select']:.4f}")
         table.add_row("selections T_sel", str(split["select_rounds"]))
-        table.add_row("eps_clustering", f"{split['epsilon_clustering']:.4f}")
-        table.add_row("eps_train", f"{split['epsilon_train']:.4f}")
+        if split["mode"] == "split":  # joint: no separate shares
+            table.add_row("eps_clustering", f"{split['epsilon_clustering']:.4f}")
+            table.add_row("eps_train", f"{split['epsilon_train']:.4f}")
     console.print(table)
+    _print_authors(console, result)
 
 
 def print_comparison(console: Console, result: dict[str, Any], with_selection: bool) -> None:
@@ -82,7 +104,7 @@ def print_comparison(console: Console, result: dict[str, Any], with_selection: b
                   f"{pld['noise_multiplier']:.4f}")
     table.add_row("z rounded up (2 dp)", f"{rdp['noise_multiplier_2dp_up']:.2f}",
                   f"{pld['noise_multiplier_2dp_up']:.2f}")
-    if with_selection:
+    if with_selection and rdp["split"]["mode"] == "split":  # joint: no separate shares
         for key in ("epsilon_clustering", "epsilon_train"):
             table.add_row(key.replace("epsilon", "eps"), f"{rdp['split'][key]:.4f}",
                           f"{pld['split'][key]:.4f}")
@@ -96,3 +118,6 @@ def print_comparison(console: Console, result: dict[str, Any], with_selection: b
                   + (f", budget mode {split['mode']}, {split['select_rounds']} selections at "
                      f"eps_select {split['epsilon_select']:.4f}" if with_selection else ""),
                   highlight=False)
+    console.print("a silo with the pld accountant uses PLD's z: its epsilon of a history is the "
+                  "smaller of the two bounds (docs/privacy.md#pld-accounting)", highlight=False)
+    _print_authors(console, result)
