@@ -88,7 +88,9 @@ def em_iterations_by_first_batch(batches: list[int | str], n_per_client: int,
                    for i in range(topology.num_clients)]
         for b1 in batches:
             schedule = two_stage_schedule(n_per_client, 32, 1, 200, b1)
-            z = plan_noise(schedule, 10.0, 1e-4, select_rounds=20).noise_multiplier
+            # the paper's z: the authors' accounting (docs/privacy.md#reference-values)
+            z = plan_noise(schedule, 10.0, 1e-4, select_rounds=20, conversion="classic",
+                           mode="split", accountant="rdp").noise_multiplier
             updates = round_one_updates(clients, "cnn", DPSGDConfig(z, 3.0, 0.005, b1),
                                         init_seed=seed, noise_seed=1000 + seed)
             fitted = UpdateClusterer(n_clusters=4, random_state=seed).fit(updates)

@@ -34,7 +34,9 @@ SETTINGS = {  # name -> (config, epsilon)
 def grid(config: Path, epsilon: float, accountant: str, seeds: str, out: Path) -> list[dict]:
     command = [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--config", str(config),
                "--methods", "rdpcfl", "--epsilons", f"{epsilon:g}", "--seeds", seeds,
-               "--set", f"accountant={accountant}", "--out", str(out)]
+               "--set", f"accountant={accountant}", "--out", str(out),
+               # the authors' split, as published (docs/privacy.md#pld-accounting)
+               "--set", "budget-mode=split", "--set", "conversion=classic"]
     print("$", " ".join(command[3:]), flush=True)
     if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
         raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
