@@ -7,6 +7,7 @@ dpcfl_flwr/privacy."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import dp_accounting
 import numpy as np
@@ -15,11 +16,14 @@ from dp_accounting.pld import PLDAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize, stats
 
-from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
+from dpcfl_flwr.methods.base import ServerState
+from dpcfl_flwr.methods.rdpcfl import RDPCFL
+from dpcfl_flwr.privacy.defaults import AUTHORS_ACCOUNTING
 from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
 from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.protocol import BUDGET_EXCEEDED, SELECT, metrics_of
-from dpcfl_flwr.silo.silo import Schedule
+from dpcfl_flwr.silo.silo import Schedule, Silo
 from tests.test_malicious_server import DELTA, EPSILON, ROUNDS, Attacker, _refused
 
 SELECTION_ROUNDS = (4, 5)  # R-DPCFL's window: the last rounds select privately, then train
@@ -117,3 +121,52 @@ def test_selections_left_out_of_the_plan_are_refused_at_the_budget(tmp_path,
     assert refused
     _refused(refused[0], BUDGET_EXCEEDED, "refuses round")
     attacker.assert_within_budget()
+
+
+def _whole_schedule(silo: Silo, plan, schedule: Schedule, first_round: int) -> list:
+    """Every mechanism of ``schedule`` as the silo charges it, from ``first_round`` on."""
+    rounds = range(first_round, first_round + schedule.rounds)
+    entries: list = [silo.round_cost(plan, "full" if r == first_round else schedule.batch_size,
+                                     r, schedule.local_epochs) for r in rounds]
+    return entries + [Selection(plan.epsilon_select, round=r)
+                      for r in list(rounds)[-schedule.select_rounds:]]
+
+
+def test_an_authors_ledger_is_measured_whole_and_the_next_run_fills_the_budget(tmp_path):
+    """A deployed silo's ledger holds a run planned the authors' way (split, classic, rdp).
+    Under the default the silo measures that history whole by its own accountant; resumed
+    under its key, the old run keeps its z; a new run fits into what is left and ends within
+    1% of the budget."""
+    ledger = tmp_path / "ledger.json"
+    node = parse_node_config({"partition-id": 1, "epsilon": EPSILON, "delta": DELTA,
+                              "ledger-path": str(ledger), "clusters": "1,1",
+                              "samples-per-client": 80, "test-samples": 40})
+    runs = {}
+    for name, accounting in (("authors", AUTHORS_ACCOUNTING), ("default", {})):
+        experiment = parse_run_config({"clusters": "1,1", "num-server-rounds": ROUNDS,
+                                       "rdpcfl.select-window": 0.4,
+                                       "out-dir": str(tmp_path / name), **accounting})
+        method = RDPCFL(experiment, experiment.methods["rdpcfl"],
+                        ServerState(np.zeros(1, np.float32)))
+        runs[name] = (experiment, replace(method.schedule(), accountant=experiment.accountant))
+    experiment, schedule = runs["authors"]
+    old = Silo(node.model_copy(update={"accountant": "rdp"}), experiment, 1)
+    old_plan = old.plan(schedule)
+    old.charge(_whole_schedule(old, old_plan, schedule, 1))
+    old.persist()
+    by_rdp = old.spent()
+    assert by_rdp < 0.95 * EPSILON  # the authors' split leaves budget unspent
+
+    resumed = Silo(node, experiment, 1)  # the default accountant now, the old run's key
+    assert resumed.budget.accountant == "pld"
+    assert resumed.plan(schedule).noise_multiplier == old_plan.noise_multiplier
+    assert resumed.spent() <= by_rdp  # the same history, measured whole by PLD
+
+    experiment, schedule = runs["default"]
+    new = Silo(node, experiment, 2)
+    plan = new.plan(schedule)
+    assert plan.accountant == "pld" and plan.noise_multiplier > old_plan.noise_multiplier
+    for entry in _whole_schedule(new, plan, schedule, ROUNDS + 1):
+        new.check([entry], entry.round)
+        new.charge([entry])
+    assert 0.99 * EPSILON <= new.spent() <= EPSILON
