@@ -16,6 +16,10 @@ Cost: 3 settings x 2 accountings x 3 seeds = 18 simulations, about 2 minutes eac
 cores (bench/RESULTS.md; PLD's runs 1-4% longer), so about 40 minutes.
 
   nice python bench/whole_budget.py [--seeds 0,1,2] [--settings quick,cpu3,cpu5] [--no-append]
+      [--set key=value ...] [--out DIR]
+
+``--set`` changes a run-config key in every run (a smoke run: ``--set num-server-rounds=6
+--out results/whole-budget-smoke --no-append``).
 """
 
 from __future__ import annotations
@@ -91,7 +95,11 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"some of {', '.join(SETTINGS)}")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run-config key for every run")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    extra = dict(pair.split("=", 1) for pair in args.set)
     lines = ["| setting | eps | accounting | z (median silo) | final spend, least - most "
              "silo | accuracy (%) | minority (%) | seeds |", "|---|---|---|---|---|---|---|---|"]
     differences = []
@@ -101,8 +109,9 @@ def main() -> None:
         name, config, epsilon = SETTINGS[key]
         found = []
         for index, (label, accounting) in enumerate(ACCOUNTINGS.items()):
-            out = OUT / f"{key}-{index}"
-            compare_grid(config, "rdpcfl", args.seeds, out, accounting, epsilons=f"{epsilon:g}")
+            out = args.out.resolve() / f"{key}-{index}"
+            compare_grid(config, "rdpcfl", args.seeds, out, {**extra, **accounting},
+                         epsilons=f"{epsilon:g}")
             found.append(figures(finished_runs(out, f"rdpcfl/eps{epsilon:g}/seed*")))
             lines.append(row(name, epsilon, label, found[-1]))
         differences.append(difference(name, epsilon, *found))
