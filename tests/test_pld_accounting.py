@@ -187,6 +187,10 @@ def test_a_history_too_long_to_compose_is_measured_by_rdp():
     assert pld.calibrate(long, 4.0, 1e-5) == rdp.calibrate(long, 4.0, 1e-5)
     history = History(((14.5, 1 / 80, 10**6),), ((0.12, 2),))
     assert pld.epsilon(history, 1e-5) == rdp.epsilon(history, 1e-5)
+    # nearly noiseless: 50 full-batch steps at z = 0.1 (a Gaussian of z 0.014), far past
+    # any budget, measured by RDP at once
+    noiseless = History(((0.1, 1.0, 50),))
+    assert pld.epsilon(noiseless, 1e-5) == rdp.epsilon(noiseless, 1e-5) > pld_module.MAX_EPSILON
 
 
 def test_rdp_schedules_keep_their_key():

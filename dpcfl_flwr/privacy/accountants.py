@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from .calibration import calibrate_noise_multiplier, solve_noise_multiplier
 from .history import ACCOUNTANTS, DEFAULT_ACCOUNTANT, EMPTY, AccountantName, History
-from .pld import composable, pld_epsilon
+from .pld import MAX_EPSILON, composable, pld_epsilon
 from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, rdp_to_dp
 from .schedule import GaussianPhase
 
@@ -72,8 +72,8 @@ class PldAccountant(Accountant):
         if not history:
             return 0.0
         rdp = RdpAccountant().epsilon(history, delta, conversion, orders)
-        if not composable(history.gaussian, history.selections):
-            return rdp  # too long to compose by PLD here: the RDP bound alone
+        if rdp > MAX_EPSILON or not composable(history.gaussian, history.selections):
+            return rdp  # too long or too noiseless to compose by PLD here: RDP's bound
         return min(pld_epsilon(history.gaussian, history.selections, delta), rdp)
 
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,

@@ -61,6 +61,11 @@ VALUE_DISCRETIZATION = 1e-4
 #: (docs/privacy.md#pld-accounting).
 MAX_COMPOSED = 250_000
 
+#: A history whose RDP figure exceeds this is measured by that figure: no budget comes near
+#: it, and the PLD of a nearly noiseless mechanism is long (a Gaussian's losses spread over
+#: ~1/z nats on a 1e-4 grid), so checking a request that asks for one must stay cheap.
+MAX_EPSILON = 50.0
+
 @functools.lru_cache(maxsize=8)
 def _sampled_step(noise_multiplier: float, sample_rate: float) -> PLD:
     return pld_lib.from_gaussian_mechanism(
