@@ -81,7 +81,9 @@ def test_a_plan_is_kept_only_once_a_round_is_charged(experiment):
 
 def test_a_ledger_keeps_at_most_its_limit_of_plans(experiment, monkeypatch):
     monkeypatch.setattr("dpcfl_flwr.silo.silo.MAX_PLANS", 3)
-    silo = _silo(experiment)
+    # plan bookkeeping, whatever the accountant: RDP calibrates five plans in milliseconds,
+    # PLD (the default) in seconds each, every later plan on a longer history
+    silo = _silo(experiment, accountant="rdp")
     for run_key in range(1, 6):
         silo.plan(_schedule(experiment), run_key)
         silo.charge([Selection(0.01, round=1)])
