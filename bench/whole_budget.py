@@ -115,7 +115,7 @@ def main() -> None:
             found.append(figures(finished_runs(out, f"rdpcfl/eps{epsilon:g}/seed*")))
             lines.append(row(name, epsilon, label, found[-1]))
         differences.append(difference(name, epsilon, *found))
-    body = ("R-DPCFL, every silo calibrating z for its whole two-stage schedule (T_sel = 3 "
+    body = ("R-DPCFL, every silo calibrating z for its whole two-stage schedule (its T_sel "
             "selections at 3% of eps) under the accounting named, and measuring its spend with "
             "the same accountant. The old default converts the selections alone and gives "
             "training the rest, so its silos end below their budget; the new composes "
