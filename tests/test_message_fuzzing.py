@@ -147,15 +147,19 @@ def _expected_train_charge(values: dict[str, Any]) -> tuple[float, int, bool]:
 
 
 def _dp_accounting_epsilon(entries: list[Any]) -> float:
-    """Google's RDP accountant on the ledger's Gaussian entries (selections excluded: they
-    only add to the spend, so this is a lower bound of what the ledger must stay within)."""
-    accountant = dp_accounting.rdp.RdpAccountant()
+    """Google's accountants on the ledger's Gaussian entries (selections excluded: they only
+    add to the spend, so this is a lower bound of what the ledger must stay within): the
+    smaller of its RDP and its PLD figure, as the silo's default accountant (pld) reports the
+    smaller of the two bounds (docs/privacy.md#pld-accounting)."""
+    rdp = dp_accounting.rdp.RdpAccountant()
+    pld = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     for entry in entries:
         if isinstance(entry, GaussianSteps):
             event = dp_accounting.PoissonSampledDpEvent(
                 entry.sample_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier))
-            accountant.compose(event, entry.steps)
-    return accountant.get_epsilon(DELTA)
+            rdp.compose(event, entry.steps)
+            pld.compose(dp_accounting.SelfComposedDpEvent(event, entry.steps))
+    return min(rdp.get_epsilon(DELTA), pld.get_epsilon(DELTA))
 
 
 def _check(attacker: Attacker, kind: str, values: dict[str, Any], reply: Any,
@@ -186,7 +190,9 @@ def _check(attacker: Attacker, kind: str, values: dict[str, Any], reply: Any,
     if not values.get("personal"):
         update = model_records(reply.content)[UPDATE]
         assert np.isfinite(np.frombuffer(update, dtype="<f4")).all()
-    assert _dp_accounting_epsilon(after) <= EPSILON * (1 + 1e-9)
+    # 1e-3: dp-accounting composes full-batch steps of several rounds on its grid, where the
+    # silo composes them exactly as one Gaussian (docs/privacy.md#pld-accounting)
+    assert _dp_accounting_epsilon(after) <= EPSILON + 1e-3
 
 
 @settings(deadline=None,
