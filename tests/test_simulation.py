@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
 from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger
+from dpcfl_flwr.privacy.schedule import GaussianPhase
 from dpcfl_flwr.runs.simulation import run_simulation
 
 ROUNDS = 8
@@ -34,7 +36,10 @@ def _nearly_spent_ledger(path: Path) -> float:
     selections cost, so no noise level can fit the run (a silo with more left would instead
     calibrate a larger z for what remains)."""
     ledger = PrivacyLedger(meta={"note": "earlier run"})
-    ledger.record([GaussianSteps(0.5249, 1.0, 1, round=1)])
+    # one full-batch step at 9.993 by the silos' (default) accountant: PLD measures a
+    # Gaussian tighter than RDP did (z 0.5249 under the authors' accounting)
+    z = accountant_named(DEFAULT_ACCOUNTANT).calibrate([GaussianPhase(1.0, 1)], 9.993, 1e-4)
+    ledger.record([GaussianSteps(z, 1.0, 1, round=1)])
     spent = ledger.spent(PrivacyBudget(10.0, 1e-4))
     assert 9.99 < spent < 10.0
     ledger.save(path)
