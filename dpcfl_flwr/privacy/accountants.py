@@ -15,12 +15,18 @@ and the audit name an accountant, and everything else asks :func:`accountant_nam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from .calibration import calibrate_noise_multiplier, solve_noise_multiplier
+from .calibration import calibrate_noise_multiplier, raise_until_within, solve_noise_multiplier
 from .history import ACCOUNTANTS, DEFAULT_ACCOUNTANT, EMPTY, AccountantName, History
-from .pld import MAX_EPSILON, composable, pld_epsilon
+from .pld import (
+    MAX_EPSILON,
+    SEARCH_DISCRETIZATION,
+    VALUE_DISCRETIZATION,
+    composable,
+    pld_epsilon,
+)
 from .rdp import DEFAULT_CONVERSION, DEFAULT_ORDERS, Conversion, rdp_to_dp
 from .schedule import GaussianPhase
 
@@ -69,36 +75,51 @@ class PldAccountant(Accountant):
 
     def epsilon(self, history: History, delta: float, conversion: Conversion = DEFAULT_CONVERSION,
                 orders: Sequence[float] = DEFAULT_ORDERS) -> float:
+        return self._epsilon(history, delta, conversion, orders, VALUE_DISCRETIZATION)
+
+    @staticmethod
+    def _epsilon(history: History, delta: float, conversion: Conversion,
+                 orders: Sequence[float], grid: float) -> float:
+        """The figure on a PLD ``grid`` of that many nats (:mod:`.pld`)."""
         if not history:
             return 0.0
         rdp = RdpAccountant().epsilon(history, delta, conversion, orders)
         if rdp > MAX_EPSILON or not composable(history.gaussian, history.selections):
             return rdp  # too long or too noiseless to compose by PLD here: RDP's bound
-        return min(pld_epsilon(history.gaussian, history.selections, delta), rdp)
+        return min(pld_epsilon(history.gaussian, history.selections, delta, grid), rdp)
 
     def calibrate(self, phases: Sequence[GaussianPhase], target_epsilon: float, delta: float,
                   conversion: Conversion = DEFAULT_CONVERSION, history: History = EMPTY,
                   orders: Sequence[float] = DEFAULT_ORDERS) -> float:
         """The RDP z of the same history meets the target (this figure is never above the
         RDP one) and bounds the search from above; PLDs of very small z would need huge grids,
-        so the lower end is found by stepping down from there instead of starting at 0.001."""
+        so the lower end is found by stepping down from there instead of starting at 0.001.
+        The search runs on the coarse grid (:data:`~.pld.SEARCH_DISCRETIZATION`, ~8x cheaper
+        an evaluation); its answer is then checked, and raised if need be, on the grid that
+        measures spends, usually at one evaluation: the plan ends at most ~0.2% of epsilon
+        short of the budget instead of costing 5-16 s of CPU."""
         upper = RdpAccountant().calibrate(phases, target_epsilon, delta, conversion, history,
                                           orders)
         planned = History(tuple((upper, p.sample_rate, p.steps) for p in phases)) + history
         if not composable(planned.gaussian, planned.selections):
             return upper  # measured by RDP alone at every z (:meth:`epsilon`)
 
-        def eps(z: float) -> float:
-            runs = History(tuple((z, p.sample_rate, p.steps) for p in phases))
-            return self.epsilon(runs + history, delta, conversion, orders)
+        def on_grid(grid: float) -> Callable[[float], float]:
+            def eps(z: float) -> float:
+                runs = History(tuple((z, p.sample_rate, p.steps) for p in phases))
+                return self._epsilon(runs + history, delta, conversion, orders, grid)
+            return eps
 
+        coarse = on_grid(SEARCH_DISCRETIZATION)
         lower = upper
         for _ in range(12):  # RDP's z is rarely more than 1.3 x PLD's; 0.8^12 = 0.07
             lower *= 0.8
-            if eps(lower) > target_epsilon:
+            if coarse(lower) > target_epsilon:
                 break
-        return solve_noise_multiplier(eps, target_epsilon, delta, lower, upper,
-                                      relative_tolerance=1e-5, growth=2.0)
+        candidate = solve_noise_multiplier(coarse, target_epsilon, delta, lower, upper,
+                                           relative_tolerance=1e-5, growth=2.0)
+        return min(raise_until_within(on_grid(VALUE_DISCRETIZATION), candidate,
+                                      target_epsilon, step=1e-5, growth=2.0), upper)
 
 
 _ACCOUNTANTS: dict[str, Accountant] = {a.name: a for a in (RdpAccountant(), PldAccountant())}

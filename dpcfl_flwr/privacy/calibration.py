@@ -73,8 +73,16 @@ def solve_noise_multiplier(
         lambda t: eps(math.exp(t)) - target, math.log(lower), math.log(upper),
         xtol=relative_tolerance / 10,
     )
-    z = math.exp(log_z)
-    step = relative_tolerance
+    return raise_until_within(eps, math.exp(log_z), target_epsilon, relative_tolerance, growth)
+
+
+def raise_until_within(eps: Callable[[float], float], noise_multiplier: float,
+                       target_epsilon: float, step: float = 1e-7, growth: float = 1.0) -> float:
+    """The first of z, z (1 + step), ... (the step multiplied by ``growth`` each time) whose
+    eps(z) is within ``target_epsilon`` less the calibration's margin: what makes a
+    calibrated z provably fit, whatever found the candidate z."""
+    target = target_epsilon * (1 - _SAFETY)
+    z = noise_multiplier
     while eps(z) > target:
         z *= 1 + step
         step *= growth

@@ -29,8 +29,10 @@ from the tails (noise below e^-50, convolution tails below 1e-15) is moved to an
 loss, which counts fully towards delta. A pessimistic PLD dominates the true one, domination
 survives composition, and the epsilon read from a dominating PLD is at least the true one.
 The grid only decides how loose: at 1e-4 nats (dp-accounting's default) a schedule costs
-under a second at our sizes, and a ten times coarser grid moved the quick example's epsilon
-by 3e-5 (docs/privacy.md#pld-accounting).
+under two seconds at our sizes, and a ten times coarser grid (:data:`SEARCH_DISCRETIZATION`,
+about eight times cheaper) moved the quick example's epsilon by 3e-5 of it and the paper
+scale's by 0.2% (docs/privacy.md#pld-accounting). Calibration searches on the coarse grid and
+checks its answer on the fine one, which alone measures a spend.
 
 The pure-DP bound for selections is looser than the bounded-range zCDP bound RDP uses
 (eps^2 / 8 against a worst case near eps^2 / 2); with many selections at a large
@@ -54,6 +56,10 @@ from .history import GaussianRun, SelectionRun
 #: Width (nats) of the grid privacy losses are rounded up to (see the module docstring).
 VALUE_DISCRETIZATION = 1e-4
 
+#: The coarser grid a calibration searches z on before checking its answer on
+#: :data:`VALUE_DISCRETIZATION`'s (an evaluation ~8x cheaper, epsilon at most ~0.2% looser).
+SEARCH_DISCRETIZATION = 1e-3
+
 #: The most sampled steps plus selections a history may compose by PLD: five times the
 #: paper's 50 000 steps. A composition's cost grows with its count (0.1-1 s here, 35 s at 10^7
 #: steps), and a server chooses the schedule a silo plans for, so beyond this the ``pld``
@@ -67,31 +73,30 @@ MAX_COMPOSED = 250_000
 MAX_EPSILON = 50.0
 
 @functools.lru_cache(maxsize=8)
-def _sampled_step(noise_multiplier: float, sample_rate: float) -> PLD:
+def _sampled_step(noise_multiplier: float, sample_rate: float, grid: float) -> PLD:
     return pld_lib.from_gaussian_mechanism(
         noise_multiplier, sampling_prob=sample_rate, pessimistic_estimate=True,
-        value_discretization_interval=VALUE_DISCRETIZATION)
+        value_discretization_interval=grid)
 
 
 @functools.lru_cache(maxsize=8)
-def _sampled_steps(noise_multiplier: float, sample_rate: float, steps: int) -> PLD:
+def _sampled_steps(noise_multiplier: float, sample_rate: float, steps: int, grid: float
+                   ) -> PLD:
     """The composed PLD of a repeated step, remembered: a silo's ledger asks for the same
     history twice per message (the check before a round, the spend it reports)."""
-    return _sampled_step(noise_multiplier, sample_rate).self_compose(steps)
+    return _sampled_step(noise_multiplier, sample_rate, grid).self_compose(steps)
 
 
 @functools.lru_cache(maxsize=8)
-def _gaussian(noise_multiplier: float) -> PLD:
+def _gaussian(noise_multiplier: float, grid: float) -> PLD:
     return pld_lib.from_gaussian_mechanism(
-        noise_multiplier, pessimistic_estimate=True,
-        value_discretization_interval=VALUE_DISCRETIZATION)
+        noise_multiplier, pessimistic_estimate=True, value_discretization_interval=grid)
 
 
 @functools.lru_cache(maxsize=8)
-def _pure_dp(epsilon: float, count: int) -> PLD:
+def _pure_dp(epsilon: float, count: int, grid: float) -> PLD:
     single = pld_lib.from_privacy_parameters(
-        DifferentialPrivacyParameters(epsilon, 0.0),
-        value_discretization_interval=VALUE_DISCRETIZATION)
+        DifferentialPrivacyParameters(epsilon, 0.0), value_discretization_interval=grid)
     return single.self_compose(count)
 
 
@@ -140,35 +145,38 @@ def composable(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRu
     return sum(n for _, _, n in sampled) + sum(n for _, n in counts) <= MAX_COMPOSED
 
 
-def history_pld(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = ()
-                ) -> PLD | None:
-    """The composed PLD of a history (None when it holds no mechanism)."""
-    return _compose(history_key(gaussian, selections))
+def history_pld(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun] = (),
+                grid: float = VALUE_DISCRETIZATION) -> PLD | None:
+    """The composed PLD of a history on a ``grid`` of that many nats (None when it holds no
+    mechanism)."""
+    return _compose(history_key(gaussian, selections), grid)
 
 
-def _compose(key: HistoryKey) -> PLD | None:
+def _compose(key: HistoryKey, grid: float) -> PLD | None:
     sampled, precision, counts = key
-    parts = [_sampled_steps(z, q, n) for z, q, n in sampled]
+    parts = [_sampled_steps(z, q, n, grid) for z, q, n in sampled]
     if precision > 0:
-        parts.append(_gaussian(1 / math.sqrt(precision)))
-    parts += [_pure_dp(epsilon, n) for epsilon, n in counts]
+        parts.append(_gaussian(1 / math.sqrt(precision), grid))
+    parts += [_pure_dp(epsilon, n, grid) for epsilon, n in counts]
     if not parts:
         return None
     return functools.reduce(lambda a, b: a.compose(b), parts)
 
 
 def pld_epsilon(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionRun],
-                delta: float) -> float:
-    """Epsilon at ``delta`` of a history by PLD alone (0 for an empty history)."""
+                delta: float, grid: float = VALUE_DISCRETIZATION) -> float:
+    """Epsilon at ``delta`` of a history by PLD alone (0 for an empty history), its losses
+    rounded up to a ``grid`` of that many nats: a spend is measured on
+    :data:`VALUE_DISCRETIZATION`'s, a calibration's search may use a coarser one."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
-    return _epsilon(history_key(gaussian, selections), delta)
+    return _epsilon(history_key(gaussian, selections), delta, grid)
 
 
 @functools.lru_cache(maxsize=1024)
-def _epsilon(key: HistoryKey, delta: float) -> float:
+def _epsilon(key: HistoryKey, delta: float, grid: float) -> float:
     """Remembered by exact history: in a simulation the silos of one process share their
     schedules, so each calibration's ~20 trial z and each round's check are computed once
     per process, not once per silo (a composition and its epsilon take 0.1-0.8 s)."""
-    composed = _compose(key)
+    composed = _compose(key, grid)
     return 0.0 if composed is None else float(composed.get_epsilon_for_delta(delta))
