@@ -32,7 +32,7 @@ VERSION = 1
 #: Run-config keys a resumed run may change: where it writes and how long it waits, not
 #: anything a round computes.
 OPERATIONAL_KEYS = frozenset({"out-dir", "resume", "round-timeout", "wait-for-clients",
-                              "threads", "tensorboard"})
+                              "threads", "tensorboard", "silo-cpus", "silo-gpus"})
 
 
 @dataclass
