@@ -266,9 +266,16 @@ RAY_ADDRESS_HELP = ("Run on the Ray cluster whose head is at host:port (ray star
 
 
 def _one_ray(cpus: int, ray_address: str | None) -> None:
-    if cpus and ray_address is not None:
+    """Refuse --cpus beside --ray-address, and an address where no cluster answers (before
+    the run config and its model are loaded)."""
+    from .runs.ray_cluster import probe
+
+    if ray_address is None:
+        return
+    if cpus:
         raise ValueError("--cpus sizes a local Ray; with --ray-address the cluster's own "
                          "resources decide (silo-cpus sets each silo's share)")
+    probe(ray_address)
 
 
 @app.command("simulate")
@@ -371,12 +378,9 @@ def compare(
     )
     from .runs.compare_report import collect as collect_cells
     from .runs.compare_report import write_reports
-    from .runs.ray_cluster import probe
 
     try:
-        _one_ray(cpus, ray_address)
-        if ray_address is not None:
-            probe(ray_address)  # one line now, not one failed run per cell
+        _one_ray(cpus, ray_address)  # one line now, not one failed run per cell
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         eps_list = parse_numbers(epsilons, float)
         seed_list = parse_numbers(seeds, int)

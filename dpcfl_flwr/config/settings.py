@@ -555,6 +555,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+#: Run-config keys a resumed run (and a kept cell of a compare grid) may change: where it
+#: writes, how long it waits, what each silo holds of the machine, not anything a round
+#: computes.
+OPERATIONAL_KEYS = frozenset({"out-dir", "resume", "round-timeout", "wait-for-clients",
+                              "threads", "tensorboard", "silo-cpus", "silo-gpus"})
+
+
 #: Per-silo run-config keys (simulation), the SiloConfig field each sets, and its type.
 _PER_SILO = (("silo-epsilons", "epsilon", float), ("silo-deltas", "delta", float),
              ("silo-batch-sizes", "batch_size", int), ("silo-samples", "samples_per_client", int))

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from ..config import registry
 from ..config.config_file import flat_keys, toml_value
-from ..config.settings import ConfigError, parse_run_config
+from ..config.settings import OPERATIONAL_KEYS, ConfigError, parse_run_config
 
 
 def discovers_clusters(method: str) -> bool:
@@ -159,14 +159,15 @@ def _config_text(config: dict[str, Any]) -> str:
 def changed_keys(run: GridRun, config: dict[str, Any]) -> list[str]:
     """The run-config keys whose values differ between the config a finished cell ran with
     (the ``seed<N>.toml`` beside it) and ``config``, the grid's now: an edited grid config
-    re-runs its cells rather than tabulating stale ones. None known (no file): []."""
+    re-runs its cells rather than tabulating stale ones. Operational keys (where and with
+    what a run computed, not what) do not count. None known (no file): []."""
     try:
         before = tomllib.loads((run.directory.parent / f"seed{run.seed}.toml").read_text())
     except (OSError, ValueError):
         return []
     now = tomllib.loads(_config_text(config))
     return sorted(k for k in before.keys() | now.keys()
-                  if k != "out-dir" and before.get(k) != now.get(k))
+                  if k not in OPERATIONAL_KEYS and before.get(k) != now.get(k))
 
 
 def _launch(run: GridRun, config: dict[str, Any], cpus: int, ray_address: str | None

@@ -19,6 +19,8 @@ import logging
 import os
 import socket
 import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 #: How long the TCP probe of the cluster's address may take before it is called unreachable.
@@ -97,4 +99,45 @@ def check_fits(silo_resources: dict[str, float]) -> dict[str, Any]:
                        f"{seen or 'none alive'}")
 
 
-__all__ = ["ClusterError", "check_fits", "connect", "probe", "split_address"]
+#: How long each node may take to start a worker and look for the shared directory.
+NODE_CHECK_SECONDS = 120.0
+
+
+def _holds(path: str, name: str) -> bool:
+    return (Path(path) / name).is_file()
+
+
+def check_shared(directory: Path) -> None:
+    """Raise :class:`ClusterError` unless every node of the connected cluster sees the file
+    this driver writes in ``directory`` at the same path. A silo's messages go to whichever
+    node has a free actor, so its ledger (and the models it keeps beside it) must be one file
+    that every node reads and writes: a node with a ledger of its own would let the silo
+    spend its budget once on each node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / f".node-check-{uuid.uuid4().hex}"
+    marker.write_text("written by the simulation's driver\n")
+    try:
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        look = ray.remote(num_cpus=0)(_holds)
+        checks = {node: look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)).remote(str(directory), marker.name) for node in nodes}
+        try:
+            seen = dict(zip(checks, ray.get(list(checks.values()), timeout=NODE_CHECK_SECONDS),
+                            strict=True))
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"the cluster's nodes did not all answer within "
+                               f"{NODE_CHECK_SECONDS:g} s whether they see {directory}") from None
+    finally:
+        marker.unlink(missing_ok=True)
+    blind = [node for node, sees in seen.items() if not sees]
+    if blind:
+        raise ClusterError(
+            f"{len(blind)} of {len(nodes)} nodes of the Ray cluster do not see {directory} "
+            f"(node {blind[0][:12]}...): the silos' ledgers must live on a filesystem every "
+            "node shares at the same path (set ledger-dir or out-dir there)")
+
+
+__all__ = ["ClusterError", "check_fits", "check_shared", "connect", "probe", "split_address"]

@@ -132,7 +132,7 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         _write_app_dir(Path(app_dir), experiment)
         with _stopped_by_signals() as received:
             if ray_address is not None:
-                _join_cluster(ray_address, silo, verbose)
+                _join_cluster(ray_address, silo, experiment.ledger_directory(), verbose)
             run_in_engine(num_supernodes=experiment.topology.num_clients,
                           server_app=SERVER_APP, client_app=CLIENT_APP,
                           run_config=experiment.to_run_config(), backend_config=backend,
@@ -143,16 +143,18 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
                              128 + received[0])
 
 
-def _join_cluster(address: str, silo: dict[str, float], verbose: bool) -> None:
+def _join_cluster(address: str, silo: dict[str, float], ledgers: Path, verbose: bool) -> None:
     """Connect to the cluster at ``address`` (Flower's engine then uses it as it is, and
-    disconnects at the end); on any failure leave Ray disconnected."""
+    disconnects at the end) once one of its nodes fits a silo and every node sees the silos'
+    ledger directory; on any failure leave Ray disconnected."""
     import ray
 
-    from .ray_cluster import check_fits, connect
+    from .ray_cluster import check_fits, check_shared, connect
 
     connect(address, verbose=verbose)
     try:
         resources = check_fits(silo)
+        check_shared(ledgers)
     except BaseException:
         ray.shutdown()
         raise
