@@ -4,10 +4,13 @@ silos ran as Ray's own records say, and an address with no cluster behind it."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -32,19 +35,30 @@ def _simulate(*arguments: str, timeout: float) -> subprocess.CompletedProcess[st
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head and a second node of 1 CPU each (separate raylets on this machine), shut down
-    whatever the test does; skips only when Ray cannot start here."""
+    whatever the test does; skips only when Ray cannot start here. Its files, and the address
+    file a head leaves for ``ray.init()`` to find, go to a directory of its own (RAY_TMPDIR),
+    so no other Ray user of this machine joins it by mistake."""
     from ray.cluster_utils import Cluster
 
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dpcfl-rc-")  # short: Ray's sockets
     try:
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={**NODE, "include_dashboard": False})
-    except Exception as exc:  # noqa: BLE001 - any reason Ray cannot start is a skip
-        pytest.skip(f"cannot start a Ray head on this machine: {exc}")
-    try:
-        cluster.add_node(**NODE)
-        yield cluster
+        try:
+            cluster = Cluster(initialize_head=True,
+                              head_node_args={**NODE, "include_dashboard": False})
+        except Exception as exc:  # noqa: BLE001 - any reason Ray cannot start is a skip
+            pytest.skip(f"cannot start a Ray head on this machine: {exc}")
+        try:
+            cluster.add_node(**NODE)
+            yield cluster
+        finally:
+            cluster.shutdown()
     finally:
-        cluster.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
+        if saved is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = saved
 
 
 def _silo_work_per_node(address: str) -> tuple[Counter[str], Counter[str], set[str]]:
@@ -88,6 +102,23 @@ def test_silos_run_on_both_nodes_of_a_ray_cluster(two_nodes, tmp_path):
     assert set(runs) == nodes, runs  # and each node ran silos' messages
     # every silo trained in each of the 2 rounds, so at least 8 messages went to the actors
     assert sum(runs.values()) >= 4 * 2, runs
+
+
+@pytest.mark.slow
+def test_a_local_run_starts_its_own_ray_beside_a_cluster(two_nodes, tmp_path, monkeypatch):
+    """Without --ray-address a run starts a Ray of its own even where ``ray.init()`` would
+    join a cluster (the address file a head leaves, or RAY_ADDRESS): it used to join, and
+    Ray then refused its --cpus (every local run on a machine with a cluster failed)."""
+    config, out = tmp_path / "tiny.toml", tmp_path / "run"
+    config.write_text(TINY)
+    actors_before, _, _ = _silo_work_per_node(two_nodes.address)
+    monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
+    done = _simulate("--config", str(config), "--out", str(out), "--quiet", "--cpus", "1",
+                     timeout=300)
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "results.json").read_text())["complete"]
+    assert _silo_work_per_node(two_nodes.address)[0] == actors_before  # no silo joined it
 
 
 def _free_port() -> int:

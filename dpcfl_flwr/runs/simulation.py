@@ -124,6 +124,9 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
     backend: dict[str, Any] = {"client_resources": silo, "init_args": {}}
     if ray_address is None:
         backend["init_args"] = {
+            # "local": a new Ray even where `ray start` left its address in /tmp/ray (or
+            # RAY_ADDRESS is set), which ray.init would otherwise join, and then refuse num_cpus
+            "address": "local",
             "num_cpus": cpus or os.cpu_count() or 1, "include_dashboard": False,
             "logging_level": "DEBUG" if verbose else "ERROR", "log_to_driver": verbose,
             # none unless a silo asks for a share: Ray then counts the machine's own
