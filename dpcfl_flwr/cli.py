@@ -390,8 +390,9 @@ def compare(
             *load_grid_config(config), dict(parse_override(item) for item in overrides or []),
             axis=rules is not None)
         runs = plan_grid(method_list, eps_list, seed_list, out, rules)
+        # soft_wrap: one event, one line, however long (the lines of cells run at once mix)
         failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
-            line, highlight=False), parallel=parallel, ray_address=ray_address)
+            line, highlight=False, soft_wrap=True), parallel=parallel, ray_address=ray_address)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
         return

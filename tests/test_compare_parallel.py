@@ -98,3 +98,25 @@ def _one_line_per_event(output: str, ran: list[GridRun]) -> None:
         assert sum(bool(re.search(rf"{re.escape(cell.label)}: \d+ s, accuracy \d+\.\d%", line))
                    for line in lines) == 1, output
     assert "2 at once" in output, output
+
+
+@pytest.mark.slow
+def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path):
+    """R-DPCFL with M = 4 cannot run on 4 silos: its cell fails in its own process (one line
+    in its log), while the cell beside it finishes and is tabulated."""
+    config, out = tmp_path / "grid.toml", tmp_path / "out"
+    config.write_text(TINY + "\n[rdpcfl]\nn-clusters = 4\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--methods", "rdpcfl,global",
+         "--epsilons", "5", "--seeds", "0", "--config", str(config), "--out", str(out),
+         "--parallel", "2"], capture_output=True, text=True, timeout=900, check=False)
+    failing, finishing = plan_grid(["rdpcfl", "global"], [5.0], [0], out)
+    assert done.returncode != 0
+    log = failing.directory.parent / "seed0.log"
+    assert f"{failing.label} failed (exit 1); see {log}" in done.stdout, done.stdout
+    assert "needs at least 4 silos" in log.read_text()
+    assert failing.results() is None and finishing.results() is not None
+    with (out / "summary.csv").open() as handle:
+        rows = {row["method"]: row for row in csv.DictReader(handle)}
+    assert rows["global"]["seeds"] == "1" and float(rows["global"]["accuracy_mean"]) > 0
+    assert rows.get("rdpcfl", {}).get("seeds", "0") == "0", rows
