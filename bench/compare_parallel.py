@@ -84,7 +84,11 @@ def main() -> None:
 | `--parallel 2` | {walls[2]:.0f} | {done[2]} of {cells} |
 
 `--parallel 2` took {walls[2] / walls[1]:.2f} x the sequential wall time; both grids wrote the
-{"same" if same else "DIFFERENT"} files (paths with numbers masked)."""
+{"same" if same else "DIFFERENT"} files (paths with numbers masked).
+
+On a loaded machine a grid of more processes also takes a larger share of the shared cores,
+so part of a gain there may be CPU taken from other work rather than CPU one cell at a time
+left idle (Python's and Ray's start, the server's rounds, evaluation)."""
     publish(TITLE, body, not args.no_append)
 
 
