@@ -51,6 +51,12 @@ class ClippedSumEngine(Protocol):
     def close(self) -> None:
         ...
 
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """Floats the engine holds per record of a chunk beyond the model's own activations
+        (per-sample gradients and what forms them), for one ``record`` (shape (1, ...)):
+        what sizes the physical batch."""
+        ...
+
 
 def _clip_factors(squared_norms: torch.Tensor, clip: float) -> torch.Tensor:
     """min(1, clip / (||g_i|| + 1e-6)) per record, and 0 for a record whose squared norm is
@@ -101,6 +107,10 @@ class OpacusEngine:
                 for g, p in zip(grads, self.params, strict=True)]
         self._reset()
         return sums
+
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """Every trainable parameter's per-sample gradient is materialised."""
+        return sum(p.numel() for p in self.params)
 
     def close(self) -> None:
         self.gsm.cleanup()
@@ -182,6 +192,31 @@ class LayerwiseEngine:
         self._records = []
         return pieces
 
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """What each trained layer's rule holds per record (:func:`_rule_floats`), from the
+        layer shapes of one no-grad forward pass of ``record``: far less than the parameter
+        count for models with ghost-norm convs and factored Linear layers (ResNet-18-GN at
+        32 x 32: ~0.2M of 11.2M), so chunks, and the kernels' batches, stay large."""
+        shapes: dict[nn.Module, tuple[torch.Size, torch.Size]] = {}
+
+        def note(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+                 ) -> None:
+            shapes[module] = (inputs[0].shape, output.shape)
+
+        handles = [layer.register_forward_hook(note) for layer in self.layers]
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()  # a frozen BatchNorm must not count this record in its statistics
+        try:
+            with torch.no_grad():
+                self.model(record)
+        finally:
+            for module, mode in modes:
+                module.train(mode)
+            for handle in handles:
+                handle.remove()
+            self._records = []
+        return max(1, sum(_rule_floats(m, *shapes[m]) for m in self.layers if m in shapes))
+
     def _collect(self, pieces: list[_LayerGrads], factors: torch.Tensor) -> list[torch.Tensor]:
         by_param = {id(p): total for piece in pieces for p, total in piece.weighted_sums(factors)}
         return [by_param[id(p)].view_as(p) for p in self.params]
@@ -190,6 +225,23 @@ class LayerwiseEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _rule_floats(module: nn.Module, inputs: torch.Size, output: torch.Size) -> int:
+    """Floats :func:`_per_sample`'s rule for ``module`` holds per record, given one record's
+    input and output shapes (batch first)."""
+    own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+    if isinstance(module, nn.Conv2d):
+        positions = output[2] * output[3]
+        if _conv_uses_ghost(module, positions):  # unfolded inputs (and a copy), Gram matrices
+            fan_in = module.weight[0].numel()
+            return 2 * fan_in * positions + 2 * positions * positions + output[1] * positions
+        return own
+    if isinstance(module, nn.Linear) and len(inputs) == 2:
+        return inputs[1] + output[1]  # factored: never the outer product
+    if isinstance(module, nn.Embedding):
+        return output.numel()  # a record's used rows
+    return own + inputs.numel()  # materialised, plus the normalised input of a norm layer
 
 
 class _LayerGrads:
@@ -257,17 +309,28 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     return _LayerGrads(squared, weighted)
 
 
+#: How much more arithmetic the ghost norm may cost than materialising and still be taken: on
+#: this CPU (one thread, batch 32) its batched matrix products run ~2x faster per flop than the
+#: grouped weight-gradient convolution, e.g. ResNet's 64->64 3x3 conv at 8x8 (T = 64): 15.6 ms
+#: ghost against 25.6 ms materialised, although the flop counts are equal.
+_GHOST_FLOP_ADVANTAGE = 2
+
+
+def _conv_uses_ghost(module: nn.Conv2d, positions: int) -> bool:
+    """Whether a conv with ``positions`` output positions per record takes the ghost-norm path.
+    Per sample, materialising the gradient costs T*d*p; its norm from Gram matrices costs
+    T^2 (d + p) (T output positions, d fan-in, p filters). Deep ResNet layers have few
+    positions and wide filters, so there the norm is far cheaper than the gradient."""
+    fan_in = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+    return (module.groups == 1 and _trained(module.weight) and positions
+            * (fan_in + module.out_channels) < _GHOST_FLOP_ADVANTAGE * fan_in * module.out_channels)
+
+
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     padding = module.padding
     if isinstance(padding, str):
         raise ValueError("the layerwise engine needs numeric conv padding")
-    positions = g.shape[2] * g.shape[3]
-    fan_in = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
-    # Per sample, materialising the gradient costs T*d*p; its norm from Gram matrices costs
-    # T^2 (d + p) (T output positions, d fan-in, p filters). Deep ResNet layers have few
-    # positions and wide filters, so there the norm is far cheaper than the gradient.
-    if module.groups == 1 and _trained(module.weight) and positions * (
-            fan_in + module.out_channels) < fan_in * module.out_channels:
+    if _conv_uses_ghost(module, g.shape[2] * g.shape[3]):
         return _conv2d_ghost(module, padding, a, g)
     return _conv2d_materialised(module, padding, a, g)
 
@@ -322,8 +385,10 @@ _GHOST_MIN_RATIO = 0.1
 def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
                   g: torch.Tensor) -> _LayerGrads:
     """Per-sample norms without per-sample gradients: ||sum_t g_t a_t^T||_F^2 =
-    sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one ordinary weight-gradient
-    convolution of the clip-weighted output gradients (a trained weight only). Records whose
+    sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one matrix product of the
+    clip-weighted output gradients with the same unfolded inputs (:func:`_summed_outer`: on
+    few positions ~8x faster on this CPU than the weight-gradient convolution, 12 ms against
+    98 ms for ResNet's 512->512 3x3 conv at 1x1, batch 32). Records whose
     norm is not well above float32 rounding of their terms (:data:`_GHOST_MIN_RATIO`, or not
     finite) get their gradient materialised, so norm and sum are computed from the same
     numbers."""
@@ -348,18 +413,25 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ghost_c = c if exact is None else c.index_fill(0, flagged, 0.0)
-        scaled = _kept_rows(g, ghost_c) * ghost_c.view(-1, 1, 1, 1)
-        out = [(module.weight, conv2d_weight(_kept_rows(a, ghost_c), module.weight.shape,
-                                             scaled, module.stride, padding, module.dilation,
-                                             module.groups))]
+        scaled = _kept_rows(grads, ghost_c) * ghost_c.view(-1, 1, 1)
+        out = [(module.weight, _summed_outer(scaled, _kept_rows(columns, ghost_c))
+                .view_as(module.weight))]
         if bias is not None:
-            out.append((bias, scaled.sum((0, 2, 3))))
+            out.append((bias, scaled.sum((0, 2))))
         if exact is not None:
             rest = dict((id(p), t) for p, t in exact.weighted_sums(c[flagged]))
             out = [(p, t + rest[id(p)].view_as(t)) for p, t in out]
         return out
 
     return _LayerGrads(squared, weighted)
+
+
+def _summed_outer(grads: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """sum_b grads_b columns_b^T for (B, p, T) output gradients and (B, d, T) unfolded inputs:
+    the (p, d) weight gradient of the batch, one matrix product over the B T positions."""
+    batch, filters, positions = grads.shape
+    return (grads.transpose(0, 1).reshape(filters, batch * positions)
+            @ columns.transpose(0, 1).reshape(columns.shape[1], batch * positions).t())
 
 
 def _summed_over(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -447,8 +519,9 @@ def _rows_per_record(indices: torch.Tensor, grads: torch.Tensor, vocabulary: int
 
 
 def resolved_mode(model: nn.Module, mode: str) -> str:
-    """The engine ``mode`` gives ``model``: ``auto`` is layerwise when the model allows it,
-    else Opacus hooks; other modes as given."""
+    """The engine ``mode`` gives ``model`` without data: ``auto`` is layerwise when the model
+    allows it, else Opacus hooks; other modes as given. (DP-SGD's ``auto`` measures hooks
+    against functorch on its first records instead: :mod:`.engine_choice`.)"""
     if mode == "auto":
         return "layerwise" if layerwise_supported(model) else "hooks"
     return mode
@@ -462,7 +535,7 @@ def engine_name(model: nn.Module, mode: str) -> str:
 
 def make_engine(model: nn.Module, mode: str) -> ClippedSumEngine:
     """``layerwise`` (fast path, :func:`layerwise_supported` models), ``hooks`` or ``functorch``
-    (Opacus), or ``auto``: layerwise when the model allows it, else Opacus hooks."""
+    (Opacus), or ``auto`` as :func:`resolved_mode` reads it."""
     mode = resolved_mode(model, mode)
     if mode == "layerwise":
         return LayerwiseEngine(model)
