@@ -9,8 +9,8 @@ norm and gets no sum, so DP-SGD neither clips over it nor noises it.
   weight gradients, which DP-SGD then throws away.
 - :class:`LayerwiseEngine` handles models whose trained layers are Conv2d, Linear, GroupNorm,
   LayerNorm and Embedding (the paper's CNN and ResNet-18-GN, the tables' MLP, models with
-  normalised layers or embedded categories). Weights are frozen during the backward pass, so
-  autograd computes only activation gradients; per-sample weight gradients are then formed
+  normalised layers or embedded categories). The backward pass asks autograd for the layers'
+  output gradients only, so it computes no summed weight gradient; per-sample ones are formed
   layer by layer from the saved activations (one grouped weight-gradient convolution per
   conv), and Linear layers never materialise them (per-sample norm ||g|| ||a||, clipped sum
   one matmul), nor Embedding layers (a record's used rows only, never its V x D table).
@@ -18,9 +18,10 @@ norm and gets no sum, so DP-SGD neither clips over it nor noises it.
   the speed-up.
 
 The server chooses the weights (docs/threat-model.md#the-server-chooses-the-weights), so a
-record's gradient may overflow: a record whose per-sample squared norm is not finite gets clip
-factor 0 and its rows are zeroed before any sum, so it contributes nothing and cannot turn the
-batch's sum into NaN. Every record's contribution is bounded by ``clip`` whatever the weights.
+record's gradient may overflow: a record whose per-sample squared norm is not finite
+contributes nothing and cannot turn the batch's sum into NaN (Opacus engine: clip factor 0 and
+its rows zeroed before any sum; layerwise engine: removed from the batch, whose sum is computed
+again without it). Every record's contribution is bounded by ``clip`` whatever the weights.
 """
 
 from __future__ import annotations
@@ -165,26 +166,29 @@ class LayerwiseEngine:
         return output
 
     def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        """The clipped sum; a record whose squared norm is not finite is removed from the
+        batch and the others' sum computed again without it (records are independent), so
+        every rule below sums finite numbers only and needs no mask (one check a step)."""
         pieces = self._layer_grads(x, y)
         squared = torch.stack([piece.squared_norms for piece in pieces]).sum(0)
-        factors = _clip_factors(squared, clip)
-        return self._collect(pieces, factors)
+        finite = torch.isfinite(squared)
+        if not bool(finite.all()):
+            kept = finite.nonzero().squeeze(1)
+            if kept.numel() == 0:
+                return [torch.zeros_like(p) for p in self.params]
+            return self.clipped_sum(x[kept], y[kept], clip)
+        # every norm is finite here: the factor is Opacus' min(1, c / (||g_i|| + 1e-6))
+        return self._collect(pieces, (clip / (squared.sqrt() + 1e-6)).clamp(max=1.0))
 
     def _layer_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[_LayerGrads]:
         """One forward and one activation-gradient backward pass of the summed cross-entropy
         of ``x`` (B records) against labels ``y`` (B,): each trained layer's per-sample
         gradients, whose squared norms (B,) add up to the records' squared gradient norms."""
         self._records = []
-        flags = [p.requires_grad for p in self.params]
-        for p in self.params:
-            p.requires_grad_(False)  # autograd then skips the (wasted) summed weight gradients
-        try:
-            loss = F.cross_entropy(self.model(x), y, reduction="sum")
-            outputs = [out for _, _, out in self._records]
-            grads_out = torch.autograd.grad(loss, outputs)
-        finally:
-            for p, flag in zip(self.params, flags, strict=True):
-                p.requires_grad_(flag)
+        loss = F.cross_entropy(self.model(x), y, reduction="sum")
+        # Gradients with respect to the layers' outputs only: autograd's engine then runs
+        # no (wasted) summed weight gradient, nor anything below the first trained layer.
+        grads_out = torch.autograd.grad(loss, [out for _, _, out in self._records])
         if len({id(m) for m, _, _ in self._records}) != len(self._records):
             raise ValueError("the layerwise engine cannot clip layers used twice per forward")
         pieces = [_per_sample(m, a, g) for (m, a, _), g in
@@ -274,7 +278,7 @@ def _materialised(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _LayerGrads
     """Per-sample gradients held as (B, ...) tensors: norms and weighted sums directly."""
     flat = [(p, t.reshape(t.shape[0], -1)) for p, t in pairs]
     squared = torch.stack([torch.linalg.vector_norm(t, dim=1) for _, t in flat]).pow(2).sum(0)
-    return _LayerGrads(squared, lambda c: [(p, c @ _kept_rows(t, c)) for p, t in flat])
+    return _LayerGrads(squared, lambda c: [(p, c @ t) for p, t in flat])
 
 
 def _trained(parameter: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
@@ -293,15 +297,18 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
             pairs.append((module.bias, g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)))
         return _materialised(pairs)
     # grad_W of sample i is g_i a_i^T: ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2.
-    g_sq = g.pow(2).sum(1)
-    squared = ((g_sq * a.pow(2).sum(1) if weight_on else torch.zeros_like(g_sq))
-               + (g_sq if bias_on else 0.0))
+    g_sq = torch.linalg.vecdot(g, g)
+    if weight_on:
+        a_sq = torch.linalg.vecdot(a, a)
+        squared = g_sq * (a_sq + 1.0) if bias_on else g_sq * a_sq
+    else:
+        squared = g_sq
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        scaled = _kept_rows(g, c) * c[:, None]
+        scaled = g * c[:, None]
         out = []
         if weight_on:
-            out.append((module.weight, scaled.t() @ _kept_rows(a, c)))
+            out.append((module.weight, scaled.t() @ a))
         if bias_on:
             out.append((module.bias, scaled.sum(0)))
         return out
@@ -413,9 +420,8 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ghost_c = c if exact is None else c.index_fill(0, flagged, 0.0)
-        scaled = _kept_rows(grads, ghost_c) * ghost_c.view(-1, 1, 1)
-        out = [(module.weight, _summed_outer(scaled, _kept_rows(columns, ghost_c))
-                .view_as(module.weight))]
+        scaled = grads * ghost_c.view(-1, 1, 1)
+        out = [(module.weight, _summed_outer(scaled, columns).view_as(module.weight))]
         if bias is not None:
             out.append((bias, scaled.sum((0, 2))))
         if exact is not None:
@@ -493,7 +499,7 @@ def _embedding(module: nn.Embedding, a: torch.Tensor, g: torch.Tensor) -> _Layer
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         row_factors = c[records]
-        scaled = _kept_rows(grouped, row_factors) * row_factors[:, None]
+        scaled = grouped * row_factors[:, None]
         table = torch.zeros(vocabulary, dim, dtype=g.dtype, device=g.device)
         return [(module.weight, table.index_add_(0, grouped_rows, scaled))]
 
