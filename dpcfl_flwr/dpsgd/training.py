@@ -133,14 +133,9 @@ def _noisy_step(
     after privatisation is free (post-processing) and, unlike a loss term, is not lost in
     clipping."""
     with torch.no_grad():
-        # One draw for every parameter: on a small model (the table MLP) per-call overheads,
-        # not the numbers, dominate a step.
-        draws = (torch.normal(0.0, std, size=(sum(g.numel() for g in clipped),),
-                              generator=noise).split([g.numel() for g in clipped])
-                 if std > 0 else None)
         for index, (p, g) in enumerate(zip(params, clipped, strict=True)):
-            if draws is not None:
-                g.add_(draws[index].view_as(g))
+            if std > 0:
+                g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
             if prox is None:
                 p.add_(g, alpha=-config.learning_rate / expected_batch)
                 continue
