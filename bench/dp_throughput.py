@@ -216,7 +216,7 @@ def paired_row(name: str, steps: int, spent: dict[str, float], engine: str) -> s
 
 
 #: Paired steps per model by default: ResNet-18-GN's Opacus steps take seconds each.
-PAIRED_STEPS = {"cnn": 600, "mlp": 600, "resnet18": 40}
+PAIRED_STEPS = {"cnn": 200, "mlp": 600, "resnet18": 12}
 
 
 def main() -> None:
