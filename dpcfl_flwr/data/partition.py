@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,7 +199,7 @@ def draw_indices(
 #: Every how many clients the authors' replay keeps its generator's state (2.5 kB each).
 _REPLAY_STRIDE = 16
 #: (size, count, seed) -> the generator's state before clients 0, stride, 2 stride, ...
-_REPLAY_STATES: dict[tuple[int, int, int], list[tuple]] = {}
+_REPLAY_STATES: dict[tuple[int, int, int], list[Any]] = {}
 _REPLAY_LOCK = threading.Lock()
 
 
