@@ -3,8 +3,8 @@ committed compose.yaml, a stack stopped mid-run and started again, a silo contai
 the SuperLink restarted during a run.
 
   python bench/compose_run.py quick [--no-append]     # 21 silos, 30 rounds, as README says
-  python bench/compose_run.py restarts [--tries 5] [--rounds 4] [--no-append]  # down, then up
-  python bench/compose_run.py faults [--rounds 6] [--no-append]  # kill a silo, restart SuperLink
+  python bench/compose_run.py restarts [--tries 5] [--rounds 3] [--no-append]  # down, then up
+  python bench/compose_run.py faults [--rounds 3] [--no-append]  # kill a silo, restart SuperLink
 
 Each starts a Docker engine of its own and builds the image as tests/test_compose_engine.py does
 (dpcfl_flwr/deploy/docker_engine.py; needs root), runs the stack in a copy of compose.yaml and
@@ -47,6 +47,7 @@ from dpcfl_flwr.privacy.ledger import PrivacyLedger  # noqa: E402
 PROJECT = "dpcfl-compose-bench"
 ROUND = re.compile(r"\[ROUND (\d+)/(\d+)\]")
 DROPPED = "dropped a task of run"  # what a silo's runtime logs when it drops a stale task
+REGISTERED = "SuperNode ID"  # what a silo's SuperNode logs once the SuperLink accepted it
 #: What 21 silos, the SuperLink and the runner may take at their peak, plus room for the rest
 #: of the machine; a run that would leave less is not started.
 QUICK_NEEDS_GIB = 14.0
@@ -249,7 +250,9 @@ def quick_table(code: int, took: float, results: dict, spent: dict[str, tuple[fl
 def restarts(tries: int, rounds: int, append: bool) -> None:
     """``tries`` times: ``up -d``, ``down`` at a varied point of the run, ``up`` again with a
     timeout; the ledger volumes are dropped after each try (a try spends a silo's budget)."""
-    stops = [(1, 3.0), (3, 2.0), (1, 12.0), (rounds - 1, 1.0), (2, 6.0)]
+    # (round, seconds after the runner announced it): early and late in round 1 (the
+    # clustering round, on the full batch) and in later rounds
+    stops = [(1, 3.0), (2, 2.0), (1, 15.0), (rounds, 1.0), (2, 8.0)]
     settings = [f"num-server-rounds={rounds}", f"eval-every={rounds}"]
     lines = []
     with stack("laptop", settings) as deployed:
@@ -282,10 +285,11 @@ def one_restart(deployed: Stack, attempt: int, stop_round: int, after: float,
         dropped = up.stdout.count(DROPPED)
     except subprocess.TimeoutExpired:
         code, took, dropped = "hung (killed after 1200 s)", time.monotonic() - started, -1
-    written = sorted(p.name for p in (deployed.directory / "results" / "compose").iterdir()
-                     if (p / "results.json").is_file())
+    written = sorted((p for p in (deployed.directory / "results" / "compose").iterdir()
+                      if (p / "results.json").is_file()),
+                     key=lambda p: (p / "results.json").stat().st_mtime)
     line = (f"| {attempt} | round {stopped_in} of {rounds}, {after:.0f} s after it began | "
-            f"{down_took:.0f} s | {code} | {took:.0f} s | {dropped} | {written[-1]} |")
+            f"{down_took:.0f} s | {code} | {took:.0f} s | {dropped} | {written[-1].name} |")
     deployed.note(line)
     return line
 
@@ -309,8 +313,7 @@ def idle_memory(deployed: Stack) -> str:
     """Memory of 7 registered silos with no run (the runner not started)."""
     services = ["superlink", *(deployed.silo_service(i) for i in range(deployed.silos))]
     deployed.compose("up", "-d", *services, timeout=600, check=True)
-    wait_for(lambda: deployed.logs(*services[1:]).count("SuperNode ID") >= deployed.silos
-             or deployed.logs(*services[1:]).count("Node ID") >= deployed.silos, 600,
+    wait_for(lambda: deployed.logs(*services[1:]).count(REGISTERED) >= deployed.silos, 900,
              "7 silos registered", every=5)
     time.sleep(20)
     sampler = MemorySampler(deployed.env)
@@ -334,8 +337,7 @@ def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
     deployed.note(f"silo {victim}: `docker kill` in round {killed_in}")
     time.sleep(5)
     docker(deployed.env, "start", container)
-    rejoined = wait_for(lambda: deployed.logs(service).count("Node ID") >= 2
-                        or deployed.logs(service).count("SuperNode ID") >= 2, 300,
+    rejoined = wait_for(lambda: deployed.logs(service).count(REGISTERED) >= 2, 300,
                         "the killed silo rejoined")
     deployed.note(f"silo {victim}: started 5 s after the kill, registered again "
                   f"{rejoined:.0f} s later (round {deployed.round_under_way()} under way)")
@@ -382,7 +384,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["quick", "restarts", "faults"])
     parser.add_argument("--tries", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     if args.what == "quick":

@@ -37,6 +37,16 @@ reason on the SuperLink: its public key is not registered, or a node with its ke
 (another instance of the silo, or its crashed previous session, with the seconds until that
 expires).
 
+A ServerApp the SuperExec launched gets :data:`LAUNCH_GRACE` seconds, not Flower's 30, to
+start (from the SuperExec's claim of the run's task to the ServerApp's activation of it):
+Flower takes a claim that has not been activated after 30 s for a failed launch and hands the
+task to the SuperExec again, which starts another ``flwr-serverapp``. On a loaded machine a
+ServerApp's start (imports, the FAB's installation) takes minutes: the quick example's 21
+silos in docker compose, on 2 cores shared with other jobs, had ten ``flwr-serverapp``
+processes starting side by side, each launched 30-40 s after the one before, each slowing
+the others. The price: a ServerApp that dies while it starts is launched again after
+:data:`LAUNCH_GRACE` instead of 30 s.
+
 All of it is latency tuning: :func:`run_superlink` installs it only while the gate of
 :mod:`dpcfl_flwr.flower_compat` is open, and otherwise runs stock ``flower-superlink``.
 """
@@ -53,6 +63,9 @@ from typing import Any
 from .gate import KEY_NOT_REGISTERED, NODE_ONLINE
 
 REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
+#: Seconds a launched ServerApp may take from the SuperExec's claim of its task to activating
+#: it before Flower launches another (Flower: 30).
+LAUNCH_GRACE = 600.0
 
 
 class Arrivals:
@@ -279,6 +292,40 @@ def explain_refused_activations(servicer_class: Any) -> None:
     servicer_class.ActivateNode = ActivateNode
 
 
+def patient_launches(memory_class: Any, sql_class: Any, grace: float) -> None:
+    """Make ``claim_task`` of Flower's in-memory and SQL state classes give the claimed task
+    ``grace`` seconds to be activated (Flower's activation then sets its own deadline)."""
+    from datetime import timedelta
+
+    from flwr.supercore.date import now
+    from flwr.supercore.state.schema.corestate_models import Task as TaskModel
+    from flwr.supercore.utils import uint64_to_int64
+    from sqlalchemy import update
+
+    def in_memory(self: Any, task_id: int, token: str) -> None:
+        with self.lock_task_store:
+            record = self.task_token_store.get(task_id)
+            if record is not None and record.token == token:
+                record.active_until = now() + timedelta(seconds=grace)
+
+    def in_sql(self: Any, task_id: int, token: str) -> None:
+        with self.session() as session:
+            session.execute(update(TaskModel)
+                            .where(TaskModel.task_id == uint64_to_int64(task_id),
+                                   TaskModel.token == token, TaskModel.running_at.is_(None))
+                            .values(active_until=now() + timedelta(seconds=grace)))
+
+    for state_class, extend in ((memory_class, in_memory), (sql_class, in_sql)):
+        def claim_task(self: Any, task_id: int, _claim: Any = state_class.claim_task,
+                       _extend: Callable[[Any, int, str], None] = extend) -> str | None:
+            token = _claim(self, task_id)
+            if token is not None:
+                _extend(self, task_id, token)
+            return token
+
+        state_class.claim_task = claim_task
+
+
 def install(hold: float, reply_hold: float) -> bool:
     """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
     where nothing is changed, and with ``hold`` 0, where only refused activations are
@@ -294,6 +341,7 @@ def install(hold: float, reply_hold: float) -> bool:
     from flwr.superlink.servicer.runtime import runtime_handlers
 
     explain_refused_activations(FleetServicer)
+    patient_launches(InMemoryLinkState, SqlLinkState, LAUNCH_GRACE)
     if hold <= 0:
         return False
     arrivals = Arrivals()
@@ -329,6 +377,6 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
     flower_superlink()
 
 
-__all__ = ["REPLY_HOLD", "Arrivals", "activation_refusal", "announce_complete_messages",
-           "explain_refused_activations", "hold_empty_pulls", "hold_reply_pulls", "install",
-           "run_superlink"]
+__all__ = ["LAUNCH_GRACE", "REPLY_HOLD", "Arrivals", "activation_refusal",
+           "announce_complete_messages", "explain_refused_activations", "hold_empty_pulls",
+           "hold_reply_pulls", "install", "patient_launches", "run_superlink"]
