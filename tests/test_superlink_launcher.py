@@ -291,6 +291,12 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
 
 
 def test_install_patches_only_with_the_tuning_on(monkeypatch):
+    from flwr.supercore import sql_mixin
+
+    # what install patches, restored afterwards (the tests below compare with Flower's own)
+    for state_class in (InMemoryLinkState, SqlLinkState):
+        monkeypatch.setattr(state_class, "claim_task", state_class.claim_task)
+    monkeypatch.setattr(sql_mixin, "SQLITE_PRAGMAS", sql_mixin.SQLITE_PRAGMAS)
     monkeypatch.setattr(flower_compat.gate, "TUNING", False)  # another Flower, or switched off
     assert not superlink.install(10.0, 1.0)
     monkeypatch.setattr(flower_compat.gate, "TUNING", True)
@@ -357,3 +363,40 @@ def test_a_slow_serverapp_start_is_not_taken_for_a_failed_launch(kind, patient, 
     assert activated_after(5)
     assert activated_after(60) is patient
     assert not activated_after(330)
+
+
+@pytest.mark.parametrize("patient", [False, True])
+def test_the_sqlite_state_waits_out_a_lock_held_past_flowers_5_s(patient, tmp_path,
+                                                                  monkeypatch):
+    """A write lock held 6 s (the thread that holds it starved of CPU): Flower's state gives
+    up after 5 s ("database is locked", a request answered 500); the launcher's waits."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from flwr.supercore import sql_mixin
+
+    monkeypatch.setattr(sql_mixin, "SQLITE_PRAGMAS", sql_mixin.SQLITE_PRAGMAS)
+    if patient:
+        superlink.patient_sqlite(sql_mixin, 30_000)
+    database = str(tmp_path / "state.db")
+    factory = LinkStateFactory(database, NoOpFederationManager(), ObjectStoreFactory(database))
+    state = SqlLinkState(database, factory.federation_manager,
+                         factory.objectstore_factory.store())
+    state.initialize()
+    holder = sqlite3.connect(database, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")  # the write lock
+    release = threading.Timer(6.0, holder.commit)
+    release.start()
+    started = time.monotonic()
+    try:
+        if patient:
+            state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                             TaskType.SERVER_APP)
+            assert time.monotonic() - started >= 5.5
+        else:
+            with pytest.raises(sqlalchemy.exc.OperationalError, match="database is locked"):
+                state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                                 TaskType.SERVER_APP)
+    finally:
+        release.join()
+        holder.close()

@@ -47,6 +47,13 @@ processes starting side by side, each launched 30-40 s after the one before, eac
 the others. The price: a ServerApp that dies while it starts is launched again after
 :data:`LAUNCH_GRACE` instead of 30 s.
 
+The SuperLink's SQLite state (``dpcfl server --state``, kept across restarts) waits up to
+:data:`SQLITE_BUSY_MS` for a lock, not Flower's 5 s: when 21 silos and the SuperLink share a
+starved machine, the thread holding the write lock can wait longer than that for a core, and
+Flower then fails the request ("database is locked"); the ServerApp's ``pull-messages``
+answered 500 and the run ended in round 1 (the quick example in docker compose, load average
+50-70 on 2 cores).
+
 All of it is latency tuning: :func:`run_superlink` installs it only while the gate of
 :mod:`dpcfl_flwr.flower_compat` is open, and otherwise runs stock ``flower-superlink``.
 """
@@ -66,6 +73,8 @@ REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP 
 #: Seconds a launched ServerApp may take from the SuperExec's claim of its task to activating
 #: it before Flower launches another (Flower: 30).
 LAUNCH_GRACE = 600.0
+#: How long a SuperLink's SQLite connection waits for a lock, ms (Flower: 5000).
+SQLITE_BUSY_MS = 60_000
 
 
 class Arrivals:
@@ -326,6 +335,15 @@ def patient_launches(memory_class: Any, sql_class: Any, grace: float) -> None:
         state_class.claim_task = claim_task
 
 
+def patient_sqlite(mixin_module: Any, busy_ms: int) -> None:
+    """Make the SQLite connections of Flower's states (``mixin_module``: Flower's
+    ``sql_mixin``, whose connect hook reads its ``SQLITE_PRAGMAS``) wait ``busy_ms`` for a
+    lock."""
+    mixin_module.SQLITE_PRAGMAS = tuple(
+        (pragma, str(busy_ms) if pragma == "busy_timeout" else value)
+        for pragma, value in mixin_module.SQLITE_PRAGMAS)
+
+
 def install(hold: float, reply_hold: float) -> bool:
     """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
     where nothing is changed, and with ``hold`` 0, where only refused activations are
@@ -338,10 +356,12 @@ def install(hold: float, reply_hold: float) -> bool:
     from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
     from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
     from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+    from flwr.supercore import sql_mixin
     from flwr.superlink.servicer.runtime import runtime_handlers
 
     explain_refused_activations(FleetServicer)
     patient_launches(InMemoryLinkState, SqlLinkState, LAUNCH_GRACE)
+    patient_sqlite(sql_mixin, SQLITE_BUSY_MS)
     if hold <= 0:
         return False
     arrivals = Arrivals()
@@ -377,6 +397,7 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
     flower_superlink()
 
 
-__all__ = ["LAUNCH_GRACE", "REPLY_HOLD", "Arrivals", "activation_refusal",
+__all__ = ["LAUNCH_GRACE", "REPLY_HOLD", "SQLITE_BUSY_MS", "Arrivals", "activation_refusal",
            "announce_complete_messages", "explain_refused_activations", "hold_empty_pulls",
-           "hold_reply_pulls", "install", "patient_launches", "run_superlink"]
+           "hold_reply_pulls", "install", "patient_launches", "patient_sqlite",
+           "run_superlink"]
