@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +76,7 @@ class Stack:
     profile: str
     silos: int
     runner: str
+    project: str = PROJECT
     events: list[str] = field(default_factory=list)
 
     @property
@@ -82,7 +85,7 @@ class Stack:
 
     def compose(self, *args: str, timeout: float = 900,
                 check: bool = False) -> subprocess.CompletedProcess:
-        done = subprocess.run(["docker", "compose", "-p", PROJECT, "--profile", self.profile,
+        done = subprocess.run(["docker", "compose", "-p", self.project, "--profile", self.profile,
                                *args], cwd=self.directory, env=self.env, capture_output=True,
                               text=True, timeout=timeout, check=False)
         if check and done.returncode != 0:
@@ -93,7 +96,7 @@ class Stack:
     def up(self, log: Path) -> subprocess.Popen:
         """``up --exit-code-from`` the runner, its output to ``log`` (a pipe would fill)."""
         with log.open("w") as out:
-            return subprocess.Popen(["docker", "compose", "-p", PROJECT, "--profile",
+            return subprocess.Popen(["docker", "compose", "-p", self.project, "--profile",
                                      self.profile, "up", "--exit-code-from", self.runner],
                                     cwd=self.directory, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT)
@@ -110,7 +113,7 @@ class Stack:
         return f"{self.prefix}silo-{index:02d}"
 
     def ledgers(self) -> dict[str, PrivacyLedger]:
-        return volume_ledgers(self.env, [f"{PROJECT}_{self.silo_service(i)}-ledger"
+        return volume_ledgers(self.env, [f"{self.project}_{self.silo_service(i)}-ledger"
                                          for i in range(self.silos)])
 
     def results(self, name: str) -> dict:
@@ -123,19 +126,32 @@ class Stack:
 
 
 @contextmanager
-def stack(profile: str, settings: Sequence[str]) -> Iterator[Stack]:
-    """A private engine with the image built, and a compose project of ``profile`` whose
-    runner adds ``settings``; everything removed at the end (``down -v``)."""
+def engine(socket: str | None) -> Iterator[dict[str, str]]:
+    """The Docker engine at ``socket`` (one this script started in another run), or one of
+    its own for the ``with`` block."""
+    if socket:
+        yield {**os.environ, "DOCKER_HOST": f"unix://{socket}",
+               "DOCKER_CONFIG": str(CACHE / "config"), "DOCKER_BUILDKIT": "0"}
+        return
     reason = engine_unavailable()
     if reason is not None:
         raise SystemExit(f"no Docker engine here: {reason}")
+    with private_engine(CACHE) as env:
+        yield env
+
+
+@contextmanager
+def stack(profile: str, settings: Sequence[str], socket: str | None = None,
+          project: str = PROJECT) -> Iterator[Stack]:
+    """A Docker engine with the image built, and a compose project of ``profile`` whose
+    runner adds ``settings``; everything removed at the end (``down -v``)."""
     laptop = profile == "laptop"
     runner = "laptop-serverapp" if laptop else "serverapp"
-    with private_engine(CACHE) as env, tempfile.TemporaryDirectory() as tmp:
+    with engine(socket) as env, tempfile.TemporaryDirectory() as tmp:
         took, size = build_image(env, REPO, CACHE)
         print(f"image {size / 1e9:.2f} GB (built in {took:.0f} s)", flush=True)
         directory = compose_project(Path(tmp), REPO, runner, settings)
-        deployed = Stack(env, directory, profile, 7 if laptop else 21, runner)
+        deployed = Stack(env, directory, profile, 7 if laptop else 21, runner, project)
         deployed.image_bytes = size  # type: ignore[attr-defined]
         try:
             yield deployed
@@ -262,7 +278,7 @@ def restarts(tries: int, rounds: int, append: bool) -> None:
             deployed.compose("down", timeout=300, check=True)
             for i in range(deployed.silos):
                 docker(deployed.env, "volume", "rm",
-                       f"{PROJECT}_{deployed.silo_service(i)}-ledger")
+                       f"{deployed.project}_{deployed.silo_service(i)}-ledger")
     body = ("| try | stopped | `down` took | new run: exit | took | dropped stale tasks | "
             "results in |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines))
     publish("docker compose: down mid-run, then up (laptop profile)", body, append)
@@ -297,12 +313,13 @@ def one_restart(deployed: Stack, attempt: int, stop_round: int, after: float,
 # --------------------------------------------------------------------------- faults
 
 
-def faults(rounds: int, append: bool) -> None:
+def faults(rounds: int, append: bool, socket: str | None) -> None:
     settings = [f"num-server-rounds={rounds}", f"eval-every={rounds}"]
-    with stack("laptop", settings) as deployed:
+    with stack("laptop", settings, socket, f"{PROJECT}-faults") as deployed:
         idle = idle_memory(deployed)
         silo_line = killed_silo(deployed, rounds)
         deployed.compose("down", "-v", timeout=300, check=True)
+        shutil.rmtree(deployed.directory / "results" / "compose")  # the next run's: laptop-run
         superlink_lines = restarted_superlink(deployed, rounds)
     body = "\n".join([idle, "", silo_line, *superlink_lines, "", *deployed.events])
     publish("docker compose: a silo killed, the SuperLink restarted (laptop profile)", body,
@@ -318,15 +335,16 @@ def idle_memory(deployed: Stack) -> str:
     time.sleep(20)
     sampler = MemorySampler(deployed.env)
     now = sampler.sample()
-    silos = [m for n, m in now.items() if "silo-" in n]
+    mine = f"{deployed.project}-{deployed.prefix}silo-"
+    silos = [m for n, m in now.items() if n.startswith(mine)]
     deployed.compose("stop", timeout=300)
     return (f"Idle (7 registered silos, no run): {min(silos):.0f}-{max(silos):.0f} MiB per "
-            f"silo container, SuperLink {now.get(f'{PROJECT}-superlink-1', 0):.0f} MiB.")
+            f"silo container, SuperLink {now.get(f'{deployed.project}-superlink-1', 0):.0f} MiB.")
 
 
 def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
     service = deployed.silo_service(victim)
-    container = f"{PROJECT}-{service}-1"
+    container = f"{deployed.project}-{service}-1"
     started = time.monotonic()
     up = deployed.up(CACHE / "compose-silo-kill.log")
     wait_for(lambda: deployed.round_under_way() >= 2, 900, "round 2")
@@ -356,6 +374,9 @@ def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
 
 
 def restarted_superlink(deployed: Stack, rounds: int) -> list[str]:
+    """`docker compose restart superlink` in round 2; if that ends the run, the resume an
+    operator runs (docs/deployment.md): `docker compose run` of the runner with
+    ``dpcfl submit --resume``."""
     started = time.monotonic()
     log = CACHE / "compose-superlink-restart.log"
     up = deployed.up(log)
@@ -372,12 +393,38 @@ def restarted_superlink(deployed: Stack, rounds: int) -> list[str]:
         up.wait()
         code = "none: still running after 1200 s"
     took = time.monotonic() - started
-    runner_tail = [line for line in log.read_text().splitlines() if deployed.runner in line][-5:]
+    runner_tail = [line for line in log.read_text().splitlines() if deployed.runner in line][-4:]
+    lines = [f"The SuperLink restarted in round {restarted_in} of {rounds}: `up` exited {code} "
+             f"after {took:.0f} s. The runner's last lines:", "", "```", *runner_tail, "```",
+             ""]
+    results = deployed.directory / "results" / "compose" / "laptop-run" / "results.json"
+    if not (results.is_file() and json.loads(results.read_text()).get("complete")):
+        lines.append(resumed(deployed))
     twice = {n: r for n, r in ((n, rounds_counted_twice(lg)) for n, lg in
                                deployed.ledgers().items()) if r}
-    return [f"The SuperLink restarted in round {restarted_in} of {rounds}: `up` exited "
-            f"{code} after {took:.0f} s; rounds counted twice in a ledger: {twice or 'none'}. "
-            "The runner's last lines:", "", "```", *runner_tail, "```"]
+    spent = spends(deployed.ledgers(), deployed.silos)
+    lines.append(f"Rounds charged twice in a ledger: {twice or 'none'}; epsilon spent "
+                 f"{min(s for s, _ in spent.values()):.2f}-{max(s for s, _ in spent.values()):.2f}"
+                 f" of 10, all within budget: {all(s <= b for s, b in spent.values())}.")
+    return lines
+
+
+def resumed(deployed: Stack) -> str:
+    started = time.monotonic()
+    done = deployed.compose("run", "--rm", deployed.runner, "dpcfl", "submit", "--superlink",
+                            "superlink:8000", "--root-certificates", "/certs/ca.crt", "--app",
+                            "/app", "--resume", "/results/laptop-run", timeout=1500)
+    took = time.monotonic() - started
+    (CACHE / "compose-resume.log").write_text(done.stdout + done.stderr)
+    deployed.compose("stop", timeout=300)
+    try:
+        results = deployed.results("laptop-run")
+    except FileNotFoundError:
+        results = {"complete": False, "summary": {}}
+    return (f"Resumed with `docker compose --profile laptop run --rm laptop-serverapp dpcfl "
+            f"submit ... --resume /results/laptop-run`: exit {done.returncode} after "
+            f"{took:.0f} s, complete {results['complete']}, silos evaluated "
+            f"{results['summary'].get('silos_evaluated')}.")
 
 
 def main() -> None:
@@ -386,13 +433,16 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--engine", metavar="SOCKET",
+                        help="use the Docker engine at this unix socket (one started by "
+                             "another run of this script) instead of starting one")
     args = parser.parse_args()
     if args.what == "quick":
         quick(not args.no_append)
     elif args.what == "restarts":
         restarts(args.tries, args.rounds, not args.no_append)
     else:
-        faults(args.rounds, not args.no_append)
+        faults(args.rounds, not args.no_append, args.engine)
 
 
 if __name__ == "__main__":

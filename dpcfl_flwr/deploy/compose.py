@@ -172,6 +172,7 @@ def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> 
     volumes:
       - certs:/certs:ro
       - ${{DPCFL_RUN_CONFIG_DIR:-./examples}}:/run-config:ro
+      - ./results/compose:/results  # the SuperLink's, as it names them: for `submit --resume`
     depends_on:
       superlink:
         condition: service_healthy
