@@ -245,6 +245,9 @@ services:
       test: ["CMD", "test", "-f", "{READY}"]
       interval: 2s
       retries: 90
+      # registering the silo keys took over 180 s (90 x 2 s) on 2 loaded cores, and compose
+      # then gave up: "dependency failed to start: ... superlink-1 is unhealthy"
+      start_period: 900s
 ''']
     volumes = ["certs", "superlink-state"]
     for profile, prefix, topology, gpu in (("cpu", "", full, False), ("gpu", "gpu-", full, True),
