@@ -263,7 +263,7 @@ def quick_table(code: int, took: float, results: dict, spent: dict[str, tuple[fl
 # --------------------------------------------------------------------------- down, then up
 
 
-def restarts(tries: int, rounds: int, append: bool) -> None:
+def restarts(tries: int, rounds: int, append: bool, socket: str | None) -> None:
     """``tries`` times: ``up -d``, ``down`` at a varied point of the run, ``up`` again with a
     timeout; the ledger volumes are dropped after each try (a try spends a silo's budget)."""
     # (round, seconds after the runner announced it): early and late in round 1 (the
@@ -271,7 +271,7 @@ def restarts(tries: int, rounds: int, append: bool) -> None:
     stops = [(1, 3.0), (2, 2.0), (1, 15.0), (rounds, 1.0), (2, 8.0)]
     settings = [f"num-server-rounds={rounds}", f"eval-every={rounds}"]
     lines = []
-    with stack("laptop", settings) as deployed:
+    with stack("laptop", settings, socket) as deployed:
         for attempt in range(tries):
             stop_round, after = stops[attempt % len(stops)]
             lines.append(one_restart(deployed, attempt + 1, stop_round, after, rounds))
@@ -299,13 +299,17 @@ def one_restart(deployed: Stack, attempt: int, stop_round: int, after: float,
         up = deployed.compose("up", "--exit-code-from", deployed.runner, timeout=1200)
         code, took = str(up.returncode), time.monotonic() - started
         dropped = up.stdout.count(DROPPED)
+        (CACHE / f"compose-restart-{attempt}.log").write_text(up.stdout + up.stderr)
     except subprocess.TimeoutExpired:
         code, took, dropped = "hung (killed after 1200 s)", time.monotonic() - started, -1
     written = sorted((p for p in (deployed.directory / "results" / "compose").iterdir()
                       if (p / "results.json").is_file()),
                      key=lambda p: (p / "results.json").stat().st_mtime)
+    complete = bool(written) and json.loads((written[-1] / "results.json").read_text()).get(
+        "complete", False)
     line = (f"| {attempt} | round {stopped_in} of {rounds}, {after:.0f} s after it began | "
-            f"{down_took:.0f} s | {code} | {took:.0f} s | {dropped} | {written[-1].name} |")
+            f"{down_took:.0f} s | {code} | {took:.0f} s | {dropped} | "
+            f"{written[-1].name if written else 'none'} (complete: {complete}) |")
     deployed.note(line)
     return line
 
@@ -440,7 +444,7 @@ def main() -> None:
     if args.what == "quick":
         quick(not args.no_append)
     elif args.what == "restarts":
-        restarts(args.tries, args.rounds, not args.no_append)
+        restarts(args.tries, args.rounds, not args.no_append, args.engine)
     else:
         faults(args.rounds, not args.no_append, args.engine)
 
