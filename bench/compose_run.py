@@ -156,6 +156,8 @@ def stack(profile: str, settings: Sequence[str], socket: str | None = None,
         try:
             yield deployed
         finally:
+            (CACHE / f"{project}.log").write_text(deployed.compose(
+                "logs", "--no-color", "--timestamps", timeout=300).stdout)
             deployed.compose("down", "-v", "--remove-orphans", timeout=300)
 
 
