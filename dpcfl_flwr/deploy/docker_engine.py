@@ -110,7 +110,14 @@ def private_engine(cache: Path = CACHE) -> Iterator[dict[str, str]]:
         yield env
     finally:
         pid = int(pidfile.read_text()) if pidfile.is_file() else dockerd.pid
-        stop_by_pid(pid)
+        if pid == dockerd.pid:  # our child: wait for it (a zombie still answers kill(pid, 0))
+            dockerd.terminate()
+            try:
+                dockerd.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                dockerd.kill()
+        else:
+            stop_by_pid(pid)
         dockerd.wait(timeout=60)
         _unmount_under(run_dir)  # dockerd leaves its network namespace mounted
         shutil.rmtree(run_dir, ignore_errors=True)
