@@ -319,15 +319,18 @@ def one_restart(deployed: Stack, attempt: int, stop_round: int, after: float,
 # --------------------------------------------------------------------------- faults
 
 
-def faults(rounds: int, append: bool, socket: str | None) -> None:
+def faults(rounds: int, append: bool, socket: str | None, parts: str = "silo,superlink") -> None:
     settings = [f"num-server-rounds={rounds}", f"eval-every={rounds}"]
+    lines: list[str] = []
     with stack("laptop", settings, socket, f"{PROJECT}-faults") as deployed:
-        idle = idle_memory(deployed)
-        silo_line = killed_silo(deployed, rounds)
-        deployed.compose("down", "-v", timeout=300, check=True)
-        shutil.rmtree(deployed.directory / "results" / "compose")  # the next run's: laptop-run
-        superlink_lines = restarted_superlink(deployed, rounds)
-    body = "\n".join([idle, "", silo_line, *superlink_lines, "", *deployed.events])
+        lines += [idle_memory(deployed), ""]
+        if "silo" in parts:
+            lines.append(killed_silo(deployed, rounds))
+            deployed.compose("down", "-v", timeout=300, check=True)
+            shutil.rmtree(deployed.directory / "results" / "compose")  # the next: laptop-run
+        if "superlink" in parts:
+            lines += restarted_superlink(deployed, rounds)
+    body = "\n".join([*lines, "", *deployed.events])
     publish("docker compose: a silo killed, the SuperLink restarted (laptop profile)", body,
             append)
 
@@ -438,6 +441,8 @@ def main() -> None:
     parser.add_argument("what", choices=["quick", "restarts", "faults"])
     parser.add_argument("--tries", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--faults", default="silo,superlink",
+                        help="which faults (silo, superlink; comma-separated)")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--engine", metavar="SOCKET",
                         help="use the Docker engine at this unix socket (one started by "
@@ -448,7 +453,7 @@ def main() -> None:
     elif args.what == "restarts":
         restarts(args.tries, args.rounds, not args.no_append, args.engine)
     else:
-        faults(args.rounds, not args.no_append, args.engine)
+        faults(args.rounds, not args.no_append, args.engine, args.faults)
 
 
 if __name__ == "__main__":
