@@ -65,8 +65,8 @@ def quick(rounds: int, out: Path, scale: dict[str, int]) -> dict:
 def simulation(rounds: int, root: Path, scale: dict[str, int],
                cpus_per_client: float = 1.0) -> dict:
     out = root / "simulation"
-    run_simulation(parse_run_config(quick(rounds, out, scale)), cpus=WORKERS,
-                   cpus_per_client=cpus_per_client)
+    run_simulation(parse_run_config({**quick(rounds, out, scale), "silo-cpus": cpus_per_client}),
+                   cpus=WORKERS)
     return json.loads((out / "results.json").read_text())
 
 

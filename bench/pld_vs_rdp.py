@@ -13,8 +13,6 @@ finished cells are kept: stop it any time and run it again to continue.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import REPO, publish  # noqa: E402
+from bench.common import REPO, compare_grid, finished_runs, publish  # noqa: E402
 
 OUT = REPO / "results" / "pld-vs-rdp"
 SETTINGS = {  # name -> (config, epsilon)
@@ -32,20 +30,12 @@ SETTINGS = {  # name -> (config, epsilon)
 
 
 def grid(config: Path, epsilon: float, accountant: str, seeds: str, out: Path) -> list[dict]:
-    command = [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--config", str(config),
-               "--methods", "rdpcfl", "--epsilons", f"{epsilon:g}", "--seeds", seeds,
-               "--set", f"accountant={accountant}", "--out", str(out),
-               # the authors' split, as published (docs/privacy.md#pld-accounting)
-               "--set", "budget-mode=split", "--set", "conversion=classic"]
-    print("$", " ".join(command[3:]), flush=True)
-    if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
-        raise SystemExit(f"the grid in {out} did not finish; run this again to continue")
-    found = []
-    for path in sorted(out.glob(f"rdpcfl/eps{epsilon:g}/seed*/results.json")):
-        results = json.loads(path.read_text())
-        if results.get("complete"):
-            found.append(results)
-    return found
+    """One resumable R-DPCFL grid under ``accountant`` and its finished runs, in the authors'
+    split as published (docs/privacy.md#pld-accounting)."""
+    compare_grid(config, "rdpcfl", seeds, out,
+                 {"accountant": accountant, "budget-mode": "split", "conversion": "classic"},
+                 epsilons=f"{epsilon:g}")
+    return finished_runs(out, f"rdpcfl/eps{epsilon:g}/seed*")
 
 
 def pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:

@@ -19,4 +19,7 @@ if [ -d /results ] && ! setpriv --reuid="$user" --regid="$user" --init-groups te
     exit 2
   fi
 fi
+# setpriv keeps root's environment: HOME=/root made matplotlib (imported by the ServerApp)
+# warn on every start that it could not write /root/.config.
+export HOME="/home/$user"
 exec setpriv --reuid="$user" --regid="$user" --init-groups "$@"

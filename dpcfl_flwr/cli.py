@@ -265,6 +265,23 @@ def probe(
     console.print(table)
 
 
+RAY_ADDRESS_HELP = ("Run on the Ray cluster whose head is at host:port (ray start --head) "
+                    "instead of a local Ray (docs/simulation.md#a-ray-cluster).")
+
+
+def _one_ray(cpus: int, ray_address: str | None) -> None:
+    """Refuse --cpus beside --ray-address, and an address where no cluster answers (before
+    the run config and its model are loaded)."""
+    from .runs.ray_cluster import probe
+
+    if ray_address is None:
+        return
+    if cpus:
+        raise ValueError("--cpus sizes a local Ray; with --ray-address the cluster's own "
+                         "resources decide (silo-cpus sets each silo's share)")
+    probe(ray_address)
+
+
 @app.command("simulate")
 def simulate(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
@@ -278,15 +295,18 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", help="No live view; one line per round."),
     resume: Path = typer.Option(None, "--resume", file_okay=False,
                                 help="Continue the killed run of this results directory."),
+    ray_address: str = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Run the ServerApp and ClientApp in Flower's simulation engine, with live progress."""
     from .config.config_file import parse_override
     from .runs.progress import ProgressFollower, summary_table
+    from .runs.ray_cluster import ClusterError
     from .runs.simulation import AlreadyFinished, experiment_to_run, run_simulation
     from .strategies import TooFewSilos
     from .strategies.exchange import RunInterrupted
 
     try:
+        _one_ray(cpus, ray_address)
         pairs = dict(parse_override(item) for item in overrides or [])
         experiment = experiment_to_run(config, pairs, out, overwrite, resume)
     except AlreadyFinished as done:
@@ -305,7 +325,10 @@ def simulate(
     if follower is not None:
         follower.start()
     try:
-        run_simulation(experiment, cpus=cpus or None, verbose=verbose)
+        run_simulation(experiment, cpus=cpus or None, verbose=verbose, ray_address=ray_address)
+    except ClusterError as exc:
+        _fail(str(exc))
+        return
     except TooFewSilos as exc:
         _fail(str(exc), code=1)
         return
@@ -341,6 +364,10 @@ def compare(
     aggregations: str = typer.Option(
         None, "--aggregations", help="Comma-separated aggregation rules: one row per method "
         "and rule (method/rule), runs in <out>/<method>-<rule>/. Default: the config's rule."),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="Runs at once, each with "
+                                 "--cpus / K of a local Ray (or sharing the --ray-address "
+                                 "cluster)."),
+    ray_address: str = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
     write summary.md / summary.csv / comparison.png in the paper's form."""
@@ -357,6 +384,7 @@ def compare(
     from .runs.compare_report import write_reports
 
     try:
+        _one_ray(cpus, ray_address)  # one line now, not one failed run per cell
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         eps_list = parse_numbers(epsilons, float)
         seed_list = parse_numbers(seeds, int)
@@ -366,8 +394,9 @@ def compare(
             *load_grid_config(config), dict(parse_override(item) for item in overrides or []),
             axis=rules is not None)
         runs = plan_grid(method_list, eps_list, seed_list, out, rules)
+        # soft_wrap: one event, one line, however long (the lines of cells run at once mix)
         failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
-            line, highlight=False))
+            line, highlight=False, soft_wrap=True), parallel=parallel, ray_address=ray_address)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
         return

@@ -90,6 +90,20 @@ def test_robust_hdp_ranks_silos_by_noise_and_lands_near_the_oracle(noisy_round) 
     assert level <= 1.2 * oracle
 
 
+def test_a_slow_rpca_says_once_how_to_make_it_cheaper(noisy_round, monkeypatch, caplog) -> None:
+    """At hundreds of silos per cluster an RPCA takes a minute; the operator hears once what
+    cuts it (rpca-rows), not every round."""
+    from dpcfl_flwr.aggregation import robust_hdp
+    updates, _, facts = noisy_round
+    monkeypatch.setattr(robust_hdp, "SLOW_RPCA_SECONDS", 0.0)
+    monkeypatch.setattr(robust_hdp, "_said_slow", False)
+    with caplog.at_level("WARNING", logger=robust_hdp.__name__):
+        combine("robust-hdp", updates, facts)
+        combine("robust-hdp", updates, facts)
+    said = [r.getMessage() for r in caplog.records if "rpca-rows" in r.getMessage()]
+    assert len(said) == 1 and f"{P_MNIST} x {len(facts)}" in said[0]
+
+
 # --- 3. paper 002 Table 3 ---------------------------------------------------------------------
 # Paper 002 Table 3 (MNIST, n = 20, N_i = 2400, c = 3, E = 1, T = 200, delta = 1e-4, lr = 1):
 # per-coordinate variance of the aggregated DP noise, by rule and epsilon distribution.

@@ -155,6 +155,19 @@ def test_authors_draw_is_their_split_row_for_row(seed: int) -> None:
         assert rows.test.tolist() == [int(r) for r in test]
 
 
+def test_authors_draw_row_for_row_in_any_order_past_its_kept_states() -> None:
+    """A simulation asks for silos in whatever order its workers get them; the replay keeps
+    its generator's state every few clients, and any order gives the authors' rows."""
+    by_hand = _authors_split_by_hand(11, 70, 3000, 600, 125, 40)
+    order = [69, 3, 40, 16, 15, 0, 68, 33, 47, 32, 31, 17, 50, 69, 1]
+    for client_id in order:
+        train, val, test = by_hand[client_id]
+        rows = draw_indices(3000, 600, client_id, 11, 100, test_samples=40, draw="authors")
+        assert rows.train.tolist() == [int(r) for r in train]
+        assert rows.val.tolist() == [int(r) for r in val]
+        assert rows.test.tolist() == [int(r) for r in test]
+
+
 def test_authors_draw_differs_from_the_per_client_draw_and_between_clients() -> None:
     ours = draw_indices(60000, 10000, 4, 0, 500)
     theirs = draw_indices(60000, 10000, 4, 0, 500, draw="authors")

@@ -1,5 +1,6 @@
 """The fast layerwise engine against Opacus (the same clipped sums, for both paper models) and
-against single-record backward passes (LayerNorm and Embedding, in float64)."""
+against single-record backward passes (LayerNorm, Embedding, GroupNorm and both conv paths,
+in float64)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,22 @@ class _BagNet(nn.Module):
         return self.classifier(self.norm(self.embed(x).flatten(1, -2).mean(1)))
 
 
+class _ConvNet(nn.Module):
+    """Conv (materialised: 16 positions, fan-in 9) -> GroupNorm -> strided, dilated conv with
+    bias on the ghost-norm path (4 positions, fan-in 36, 16 filters) -> Linear; (B, 1, 4, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.ghost = nn.Conv2d(4, 16, 3, stride=2, padding=2, dilation=2)
+        self.classifier = nn.Linear(16 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.ghost(torch.tanh(self.norm(self.conv(x)))))
+        return self.classifier(torch.flatten(hidden, 1))
+
+
 def _indices(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Indices from a few rows only (0..4 of 11), so records repeat rows and use row 0, the
     padding row of the padded nets."""
@@ -107,6 +124,7 @@ NETS = {
     "embedding with padding": (lambda: _BagNet(0), lambda g: _indices((7, 9), g)),
     "embedding of 2-D records": (lambda: _BagNet(3), lambda g: _indices((7, 3, 4), g)),
     "embedding layernorm": (lambda: _BagNet(0, norm=True), lambda g: _indices((7, 9), g)),
+    "conv groupnorm ghost-conv linear": (_ConvNet, lambda g: torch.randn(7, 1, 4, 4, generator=g)),
 }
 
 

@@ -291,6 +291,12 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
 
 
 def test_install_patches_only_with_the_tuning_on(monkeypatch):
+    from flwr.supercore import sql_mixin
+
+    # what install patches, restored afterwards (the tests below compare with Flower's own)
+    for state_class in (InMemoryLinkState, SqlLinkState):
+        monkeypatch.setattr(state_class, "claim_task", state_class.claim_task)
+    monkeypatch.setattr(sql_mixin, "SQLITE_PRAGMAS", sql_mixin.SQLITE_PRAGMAS)
     monkeypatch.setattr(flower_compat.gate, "TUNING", False)  # another Flower, or switched off
     assert not superlink.install(10.0, 1.0)
     monkeypatch.setattr(flower_compat.gate, "TUNING", True)
@@ -305,3 +311,92 @@ def test_the_superlink_runs_through_the_launcher_with_its_hold():
     assert split_arguments([])[0].pull_hold == superlink_launcher.DEFAULT_PULL_HOLD
     problems = check_server(ServerSettings(insecure=True, node_auth=False, pull_hold=-1))
     assert any("--pull-hold" in p for p in problems)
+
+
+@pytest.mark.parametrize("kind", ["in-memory", "sqlite"])
+@pytest.mark.parametrize("patient", [False, True])
+def test_a_slow_serverapp_start_is_not_taken_for_a_failed_launch(kind, patient, tmp_path,
+                                                                   monkeypatch):
+    """A ServerApp activating its task 60 s after the SuperExec claimed it: Flower had moved
+    the task back to pending at 30 s (and the SuperExec launched another ServerApp); with the
+    launcher's grace it is still the claimed one's, until the grace runs out."""
+    from datetime import timedelta
+
+    from flwr.supercore.corestate import in_memory_corestate, sql_corestate
+    from flwr.supercore.date import now
+
+    base = InMemoryLinkState if kind == "in-memory" else SqlLinkState
+    database = FLWR_IN_MEMORY_DB_NAME if kind == "in-memory" else str(tmp_path / "state.db")
+
+    class Memory(InMemoryLinkState):
+        pass
+
+    class Sql(SqlLinkState):
+        pass
+
+    if patient:
+        superlink.patient_launches(Memory, Sql, grace=300.0)
+    factory = LinkStateFactory(database, NoOpFederationManager(), ObjectStoreFactory(database))
+    args = () if base is InMemoryLinkState else (database,)
+    cls = Memory if base is InMemoryLinkState else Sql
+
+    def claimed_task() -> tuple[object, int]:
+        state = cls(*args, factory.federation_manager, factory.objectstore_factory.store())
+        if base is SqlLinkState:
+            state.initialize()
+        run_id = state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                                  TaskType.SERVER_APP)
+        task_id = state.get_run_info(run_ids=[run_id])[0].primary_task_id
+        assert state.claim_task(task_id)
+        return state, task_id
+
+    def activated_after(seconds: float) -> bool:
+        state, task_id = claimed_task()
+        later = now() + timedelta(seconds=seconds)
+        for module in (in_memory_corestate, sql_corestate):
+            monkeypatch.setattr(module, "now", lambda: later)
+        try:
+            return state.activate_task(task_id)
+        finally:
+            monkeypatch.undo()
+
+    assert activated_after(5)
+    assert activated_after(60) is patient
+    assert not activated_after(330)
+
+
+@pytest.mark.parametrize("patient", [False, True])
+def test_the_sqlite_state_waits_out_a_lock_held_past_flowers_5_s(patient, tmp_path,
+                                                                  monkeypatch):
+    """A write lock held 6 s (the thread that holds it starved of CPU): Flower's state gives
+    up after 5 s ("database is locked", a request answered 500); the launcher's waits."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from flwr.supercore import sql_mixin
+
+    monkeypatch.setattr(sql_mixin, "SQLITE_PRAGMAS", sql_mixin.SQLITE_PRAGMAS)
+    if patient:
+        superlink.patient_sqlite(sql_mixin, 30_000)
+    database = str(tmp_path / "state.db")
+    factory = LinkStateFactory(database, NoOpFederationManager(), ObjectStoreFactory(database))
+    state = SqlLinkState(database, factory.federation_manager,
+                         factory.objectstore_factory.store())
+    state.initialize()
+    holder = sqlite3.connect(database, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")  # the write lock
+    release = threading.Timer(6.0, holder.commit)
+    release.start()
+    started = time.monotonic()
+    try:
+        if patient:
+            state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                             TaskType.SERVER_APP)
+            assert time.monotonic() - started >= 5.5
+        else:
+            with pytest.raises(sqlalchemy.exc.OperationalError, match="database is locked"):
+                state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None, None,
+                                 TaskType.SERVER_APP)
+    finally:
+        release.join()
+        holder.close()

@@ -12,6 +12,7 @@ overstates its epsilon gains no weight (§3.3).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +23,10 @@ from .noise import inverse_variance_weights
 from .rpca import principal_component_pursuit
 
 log = logging.getLogger(__name__)
+
+#: An RPCA call slower than this (seconds) says once how to make it cheaper.
+SLOW_RPCA_SECONDS = 10.0
+_said_slow = False
 
 
 def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.ndarray:
@@ -37,13 +42,28 @@ def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.
         return np.zeros(updates.shape[0])
     rows = min(trained.shape[1], settings.rpca_rows)
     block = trained[:, :rows].T
+    start = time.perf_counter()
     result = principal_component_pursuit(block, tol=settings.rpca_tol,
                                           max_iter=settings.rpca_max_iter)
+    _say_if_slow(time.perf_counter() - start, block.shape)
     if not result.converged:
         log.warning("RPCA stopped after %d iterations at relative residual %.2e (tol %.1e); "
                     "using its current split", result.iterations, result.residual,
                     settings.rpca_tol)
     return np.asarray(np.sum(result.sparse**2, axis=0) / rows)
+
+
+def _say_if_slow(seconds: float, shape: tuple[int, ...]) -> None:
+    """Once per process: an RPCA this slow (hundreds of silos in one cluster) has a cheaper
+    setting whose weights the scaling bench found as good: fewer rows p'."""
+    global _said_slow
+    if seconds < SLOW_RPCA_SECONDS or _said_slow:
+        return
+    _said_slow = True
+    log.warning("robust-hdp: RPCA of a %d x %d matrix took %.0f s; its cost grows with p' "
+                "(rpca-rows) times the silos squared, and rpca-rows = 2000-8000 cuts it "
+                "several-fold at hundreds of silos (docs/aggregation.md#cost-at-many-silos)",
+                shape[0], shape[1], seconds)
 
 
 def robust_hdp(

@@ -127,6 +127,11 @@ class ExperimentConfig(ConfigModel):
     eval_every: int = Field(5, ge=1)
     seed: int = 0
     threads: int = Field(1, ge=1)
+    # simulation only: what Ray reserves for each silo's actor, so how many silos of a node
+    # train at once (a node's CPUs / silo-cpus); a GPU share only reserves the GPU in Ray's
+    # scheduling, the silo's training stays on the CPU (docs/simulation.md#resources-per-silo)
+    silo_cpus: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    silo_gpus: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     physical_batch_size: int = Field(0, ge=0, description="0: sized from a memory budget")
     out_dir: str = "results/latest"
     # per-round metrics also as TensorBoard event files in <out-dir>/tensorboard
@@ -558,6 +563,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(size < 1 for size in shape):
         raise ValueError(f"{text!r}: every size must be a positive integer")
     return shape
+
+
+#: Run-config keys a resumed run (and a kept cell of a compare grid) may change: where it
+#: writes, how long it waits, what each silo holds of the machine, not anything a round
+#: computes.
+OPERATIONAL_KEYS = frozenset({"out-dir", "resume", "round-timeout", "wait-for-clients",
+                              "threads", "tensorboard", "silo-cpus", "silo-gpus"})
 
 
 #: Per-silo run-config keys (simulation), the SiloConfig field each sets, and its type.

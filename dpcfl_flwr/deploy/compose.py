@@ -172,6 +172,7 @@ def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> 
     volumes:
       - certs:/certs:ro
       - ${{DPCFL_RUN_CONFIG_DIR:-./examples}}:/run-config:ro
+      - ./results/compose:/results  # the SuperLink's, as it names them: for `submit --resume`
     depends_on:
       superlink:
         condition: service_healthy
@@ -244,6 +245,9 @@ services:
       test: ["CMD", "test", "-f", "{READY}"]
       interval: 2s
       retries: 90
+      # registering the silo keys took over 180 s (90 x 2 s) on 2 loaded cores, and compose
+      # then gave up: "dependency failed to start: ... superlink-1 is unhealthy"
+      start_period: 900s
 ''']
     volumes = ["certs", "superlink-state"]
     for profile, prefix, topology, gpu in (("cpu", "", full, False), ("gpu", "gpu-", full, True),

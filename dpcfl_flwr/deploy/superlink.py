@@ -276,14 +276,23 @@ def register_keys(s: ServerSettings, keys: list[Path]) -> Registration:
 
 #: ``flwr supernode register`` processes at a time (21 keys: 38 s one by one on 2 busy cores).
 REGISTERING_AT_ONCE = 4
+#: Seconds one ``flwr supernode register`` may take: on 2 cores at load average 30-40 (docker
+#: compose beside other jobs) registering 21 keys took 6-8 minutes. The timeout (120 s before)
+#: was not caught and ended ``dpcfl server`` with a traceback; now it is one line.
+REGISTER_TIMEOUT = 600.0
 
 
 def _register(s: ServerSettings, key: Path) -> tuple[str, str | None]:
     """("registered" | "already" | "failed", the failure in one line)."""
-    done = subprocess.run([flower_tool("flwr") or "flwr", "supernode", "register", str(key),
-                           s.connection, "--name", key.stem, "--format", "json"],
-                          capture_output=True, text=True, check=False, timeout=120,
-                          env={**os.environ, "FLWR_HOME": str(s.flwr_home)})
+    try:
+        done = subprocess.run([flower_tool("flwr") or "flwr", "supernode", "register",
+                               str(key), s.connection, "--name", key.stem, "--format", "json"],
+                              capture_output=True, text=True, check=False,
+                              timeout=REGISTER_TIMEOUT,
+                              env={**os.environ, "FLWR_HOME": str(s.flwr_home)})
+    except subprocess.TimeoutExpired:
+        return "failed", (f"could not register {key}: `flwr supernode register` did not "
+                          f"answer within {REGISTER_TIMEOUT:.0f} s (is the machine overloaded?)")
     answer = _json_answer(done.stdout)
     if answer.get("success") is True:
         return "registered", None

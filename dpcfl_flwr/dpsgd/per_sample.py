@@ -9,8 +9,8 @@ norm and gets no sum, so DP-SGD neither clips over it nor noises it.
   weight gradients, which DP-SGD then throws away.
 - :class:`LayerwiseEngine` handles models whose trained layers are Conv2d, Linear, GroupNorm,
   LayerNorm and Embedding (the paper's CNN and ResNet-18-GN, the tables' MLP, models with
-  normalised layers or embedded categories). Weights are frozen during the backward pass, so
-  autograd computes only activation gradients; per-sample weight gradients are then formed
+  normalised layers or embedded categories). The backward pass asks autograd for the layers'
+  output gradients only, so it computes no summed weight gradient; per-sample ones are formed
   layer by layer from the saved activations (one grouped weight-gradient convolution per
   conv), and Linear layers never materialise them (per-sample norm ||g|| ||a||, clipped sum
   one matmul), nor Embedding layers (a record's used rows only, never its V x D table).
@@ -18,9 +18,10 @@ norm and gets no sum, so DP-SGD neither clips over it nor noises it.
   the speed-up.
 
 The server chooses the weights (docs/threat-model.md#the-server-chooses-the-weights), so a
-record's gradient may overflow: a record whose per-sample squared norm is not finite gets clip
-factor 0 and its rows are zeroed before any sum, so it contributes nothing and cannot turn the
-batch's sum into NaN. Every record's contribution is bounded by ``clip`` whatever the weights.
+record's gradient may overflow: a record whose per-sample squared norm is not finite
+contributes nothing and cannot turn the batch's sum into NaN (Opacus engine: clip factor 0 and
+its rows zeroed before any sum; layerwise engine: removed from the batch, whose sum is computed
+again without it). Every record's contribution is bounded by ``clip`` whatever the weights.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ class ClippedSumEngine(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """Floats the engine holds per record of a chunk beyond the model's own activations
+        (per-sample gradients and what forms them), for one ``record`` (shape (1, ...)):
+        what sizes the physical batch."""
         ...
 
 
@@ -101,6 +108,10 @@ class OpacusEngine:
                 for g, p in zip(grads, self.params, strict=True)]
         self._reset()
         return sums
+
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """Every trainable parameter's per-sample gradient is materialised."""
+        return sum(p.numel() for p in self.params)
 
     def close(self) -> None:
         self.gsm.cleanup()
@@ -155,32 +166,60 @@ class LayerwiseEngine:
         return output
 
     def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip: float) -> list[torch.Tensor]:
+        """The clipped sum; a record whose squared norm is not finite is removed from the
+        batch and the others' sum computed again without it (records are independent), so
+        every rule below sums finite numbers only and needs no mask (one check a step)."""
         pieces = self._layer_grads(x, y)
         squared = torch.stack([piece.squared_norms for piece in pieces]).sum(0)
-        factors = _clip_factors(squared, clip)
-        return self._collect(pieces, factors)
+        finite = torch.isfinite(squared)
+        if not bool(finite.all()):
+            kept = finite.nonzero().squeeze(1)
+            if kept.numel() == 0:
+                return [torch.zeros_like(p) for p in self.params]
+            return self.clipped_sum(x[kept], y[kept], clip)
+        # every norm is finite here: the factor is Opacus' min(1, c / (||g_i|| + 1e-6))
+        return self._collect(pieces, (clip / (squared.sqrt() + 1e-6)).clamp(max=1.0))
 
     def _layer_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[_LayerGrads]:
         """One forward and one activation-gradient backward pass of the summed cross-entropy
         of ``x`` (B records) against labels ``y`` (B,): each trained layer's per-sample
         gradients, whose squared norms (B,) add up to the records' squared gradient norms."""
         self._records = []
-        flags = [p.requires_grad for p in self.params]
-        for p in self.params:
-            p.requires_grad_(False)  # autograd then skips the (wasted) summed weight gradients
-        try:
-            loss = F.cross_entropy(self.model(x), y, reduction="sum")
-            outputs = [out for _, _, out in self._records]
-            grads_out = torch.autograd.grad(loss, outputs)
-        finally:
-            for p, flag in zip(self.params, flags, strict=True):
-                p.requires_grad_(flag)
+        loss = F.cross_entropy(self.model(x), y, reduction="sum")
+        # Gradients with respect to the layers' outputs only: autograd's engine then runs
+        # no (wasted) summed weight gradient, nor anything below the first trained layer.
+        grads_out = torch.autograd.grad(loss, [out for _, _, out in self._records])
         if len({id(m) for m, _, _ in self._records}) != len(self._records):
             raise ValueError("the layerwise engine cannot clip layers used twice per forward")
         pieces = [_per_sample(m, a, g) for (m, a, _), g in
                   zip(self._records, grads_out, strict=True)]
         self._records = []
         return pieces
+
+    def floats_per_record(self, record: torch.Tensor) -> int:
+        """What each trained layer's rule holds per record (:func:`_rule_floats`), from the
+        layer shapes of one no-grad forward pass of ``record``: far less than the parameter
+        count for models with ghost-norm convs and factored Linear layers (ResNet-18-GN at
+        32 x 32: ~0.2M of 11.2M), so chunks, and the kernels' batches, stay large."""
+        shapes: dict[nn.Module, tuple[torch.Size, torch.Size]] = {}
+
+        def note(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+                 ) -> None:
+            shapes[module] = (inputs[0].shape, output.shape)
+
+        handles = [layer.register_forward_hook(note) for layer in self.layers]
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()  # a frozen BatchNorm must not count this record in its statistics
+        try:
+            with torch.no_grad():
+                self.model(record)
+        finally:
+            for module, mode in modes:
+                module.train(mode)
+            for handle in handles:
+                handle.remove()
+            self._records = []
+        return max(1, sum(_rule_floats(m, *shapes[m]) for m in self.layers if m in shapes))
 
     def _collect(self, pieces: list[_LayerGrads], factors: torch.Tensor) -> list[torch.Tensor]:
         by_param = {id(p): total for piece in pieces for p, total in piece.weighted_sums(factors)}
@@ -190,6 +229,23 @@ class LayerwiseEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _rule_floats(module: nn.Module, inputs: torch.Size, output: torch.Size) -> int:
+    """Floats :func:`_per_sample`'s rule for ``module`` holds per record, given one record's
+    input and output shapes (batch first)."""
+    own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+    if isinstance(module, nn.Conv2d):
+        positions = output[2] * output[3]
+        if _conv_uses_ghost(module, positions):  # unfolded inputs (and a copy), Gram matrices
+            fan_in = module.weight[0].numel()
+            return 2 * fan_in * positions + 2 * positions * positions + output[1] * positions
+        return own
+    if isinstance(module, nn.Linear) and len(inputs) == 2:
+        return inputs[1] + output[1]  # factored: never the outer product
+    if isinstance(module, nn.Embedding):
+        return output.numel()  # a record's used rows
+    return own + inputs.numel()  # materialised, plus the normalised input of a norm layer
 
 
 class _LayerGrads:
@@ -222,7 +278,7 @@ def _materialised(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _LayerGrads
     """Per-sample gradients held as (B, ...) tensors: norms and weighted sums directly."""
     flat = [(p, t.reshape(t.shape[0], -1)) for p, t in pairs]
     squared = torch.stack([torch.linalg.vector_norm(t, dim=1) for _, t in flat]).pow(2).sum(0)
-    return _LayerGrads(squared, lambda c: [(p, c @ _kept_rows(t, c)) for p, t in flat])
+    return _LayerGrads(squared, lambda c: [(p, c @ t) for p, t in flat])
 
 
 def _trained(parameter: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
@@ -241,15 +297,18 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
             pairs.append((module.bias, g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)))
         return _materialised(pairs)
     # grad_W of sample i is g_i a_i^T: ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2.
-    g_sq = g.pow(2).sum(1)
-    squared = ((g_sq * a.pow(2).sum(1) if weight_on else torch.zeros_like(g_sq))
-               + (g_sq if bias_on else 0.0))
+    g_sq = torch.linalg.vecdot(g, g)
+    if weight_on:
+        a_sq = torch.linalg.vecdot(a, a)
+        squared = g_sq * (a_sq + 1.0) if bias_on else g_sq * a_sq
+    else:
+        squared = g_sq
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        scaled = _kept_rows(g, c) * c[:, None]
+        scaled = g * c[:, None]
         out = []
         if weight_on:
-            out.append((module.weight, scaled.t() @ _kept_rows(a, c)))
+            out.append((module.weight, scaled.t() @ a))
         if bias_on:
             out.append((module.bias, scaled.sum(0)))
         return out
@@ -257,17 +316,28 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     return _LayerGrads(squared, weighted)
 
 
+#: How much more arithmetic the ghost norm may cost than materialising and still be taken: on
+#: this CPU (one thread, batch 32) its batched matrix products run ~2x faster per flop than the
+#: grouped weight-gradient convolution, e.g. ResNet's 64->64 3x3 conv at 8x8 (T = 64): 15.6 ms
+#: ghost against 25.6 ms materialised, although the flop counts are equal.
+_GHOST_FLOP_ADVANTAGE = 2
+
+
+def _conv_uses_ghost(module: nn.Conv2d, positions: int) -> bool:
+    """Whether a conv with ``positions`` output positions per record takes the ghost-norm path.
+    Per sample, materialising the gradient costs T*d*p; its norm from Gram matrices costs
+    T^2 (d + p) (T output positions, d fan-in, p filters). Deep ResNet layers have few
+    positions and wide filters, so there the norm is far cheaper than the gradient."""
+    fan_in = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+    return (module.groups == 1 and _trained(module.weight) and positions
+            * (fan_in + module.out_channels) < _GHOST_FLOP_ADVANTAGE * fan_in * module.out_channels)
+
+
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     padding = module.padding
     if isinstance(padding, str):
         raise ValueError("the layerwise engine needs numeric conv padding")
-    positions = g.shape[2] * g.shape[3]
-    fan_in = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
-    # Per sample, materialising the gradient costs T*d*p; its norm from Gram matrices costs
-    # T^2 (d + p) (T output positions, d fan-in, p filters). Deep ResNet layers have few
-    # positions and wide filters, so there the norm is far cheaper than the gradient.
-    if module.groups == 1 and _trained(module.weight) and positions * (
-            fan_in + module.out_channels) < fan_in * module.out_channels:
+    if _conv_uses_ghost(module, g.shape[2] * g.shape[3]):
         return _conv2d_ghost(module, padding, a, g)
     return _conv2d_materialised(module, padding, a, g)
 
@@ -322,8 +392,10 @@ _GHOST_MIN_RATIO = 0.1
 def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
                   g: torch.Tensor) -> _LayerGrads:
     """Per-sample norms without per-sample gradients: ||sum_t g_t a_t^T||_F^2 =
-    sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one ordinary weight-gradient
-    convolution of the clip-weighted output gradients (a trained weight only). Records whose
+    sum_{t,t'} (a_t . a_t')(g_t . g_t'); the clipped sum is then one matrix product of the
+    clip-weighted output gradients with the same unfolded inputs (:func:`_summed_outer`: on
+    few positions ~8x faster on this CPU than the weight-gradient convolution, 12 ms against
+    98 ms for ResNet's 512->512 3x3 conv at 1x1, batch 32). Records whose
     norm is not well above float32 rounding of their terms (:data:`_GHOST_MIN_RATIO`, or not
     finite) get their gradient materialised, so norm and sum are computed from the same
     numbers."""
@@ -348,18 +420,24 @@ def _conv2d_ghost(module: nn.Conv2d, padding: tuple[int, ...], a: torch.Tensor,
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ghost_c = c if exact is None else c.index_fill(0, flagged, 0.0)
-        scaled = _kept_rows(g, ghost_c) * ghost_c.view(-1, 1, 1, 1)
-        out = [(module.weight, conv2d_weight(_kept_rows(a, ghost_c), module.weight.shape,
-                                             scaled, module.stride, padding, module.dilation,
-                                             module.groups))]
+        scaled = grads * ghost_c.view(-1, 1, 1)
+        out = [(module.weight, _summed_outer(scaled, columns).view_as(module.weight))]
         if bias is not None:
-            out.append((bias, scaled.sum((0, 2, 3))))
+            out.append((bias, scaled.sum((0, 2))))
         if exact is not None:
             rest = dict((id(p), t) for p, t in exact.weighted_sums(c[flagged]))
             out = [(p, t + rest[id(p)].view_as(t)) for p, t in out]
         return out
 
     return _LayerGrads(squared, weighted)
+
+
+def _summed_outer(grads: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """sum_b grads_b columns_b^T for (B, p, T) output gradients and (B, d, T) unfolded inputs:
+    the (p, d) weight gradient of the batch, one matrix product over the B T positions."""
+    batch, filters, positions = grads.shape
+    return (grads.transpose(0, 1).reshape(filters, batch * positions)
+            @ columns.transpose(0, 1).reshape(columns.shape[1], batch * positions).t())
 
 
 def _summed_over(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -421,7 +499,7 @@ def _embedding(module: nn.Embedding, a: torch.Tensor, g: torch.Tensor) -> _Layer
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         row_factors = c[records]
-        scaled = _kept_rows(grouped, row_factors) * row_factors[:, None]
+        scaled = grouped * row_factors[:, None]
         table = torch.zeros(vocabulary, dim, dtype=g.dtype, device=g.device)
         return [(module.weight, table.index_add_(0, grouped_rows, scaled))]
 
@@ -447,8 +525,9 @@ def _rows_per_record(indices: torch.Tensor, grads: torch.Tensor, vocabulary: int
 
 
 def resolved_mode(model: nn.Module, mode: str) -> str:
-    """The engine ``mode`` gives ``model``: ``auto`` is layerwise when the model allows it,
-    else Opacus hooks; other modes as given."""
+    """The engine ``mode`` gives ``model`` without data: ``auto`` is layerwise when the model
+    allows it, else Opacus hooks; other modes as given. (DP-SGD's ``auto`` measures hooks
+    against functorch on its first records instead: :mod:`.engine_choice`.)"""
     if mode == "auto":
         return "layerwise" if layerwise_supported(model) else "hooks"
     return mode
@@ -462,7 +541,7 @@ def engine_name(model: nn.Module, mode: str) -> str:
 
 def make_engine(model: nn.Module, mode: str) -> ClippedSumEngine:
     """``layerwise`` (fast path, :func:`layerwise_supported` models), ``hooks`` or ``functorch``
-    (Opacus), or ``auto``: layerwise when the model allows it, else Opacus hooks."""
+    (Opacus), or ``auto`` as :func:`resolved_mode` reads it."""
     mode = resolved_mode(model, mode)
     if mode == "layerwise":
         return LayerwiseEngine(model)

@@ -16,6 +16,7 @@ read would let the server subtract the noise.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -28,7 +29,10 @@ from torch import nn
 from ..data.records import Inputs, in_memory
 from ..privacy.ledger import GaussianSteps
 from ..privacy.schedule import FULL_BATCH
-from .per_sample import ClippedSumEngine, make_engine
+from .engine_choice import EngineChoice, by_rule, choose
+from .per_sample import ClippedSumEngine, engine_name, make_engine
+
+logger = logging.getLogger(__name__)
 
 # Per-sample gradients of one chunk hold chunk * p floats; this caps them at ~512 MiB.
 _PER_SAMPLE_FLOAT_BUDGET = 128 * 1024 * 1024
@@ -68,6 +72,7 @@ class TrainResult:
     steps: int
     sampled_examples: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    engine: EngineChoice | None = None  # the per-sample engine DP-SGD used, and why
 
 
 def configure_threads(num_threads: int) -> None:
@@ -86,14 +91,18 @@ def secure_generator(seed: int | None = None) -> torch.Generator:
     return generator
 
 
-def chunk_size(model: nn.Module, requested: int | None) -> int:
-    """Physical batch: the requested one, or the largest whose per-sample grads fit the budget."""
+def chunk_size(model: nn.Module, requested: int | None,
+               floats_per_record: int | None = None) -> int:
+    """Physical batch: the requested one, or the largest whose per-record floats fit the
+    budget: ``floats_per_record`` as the engine reports it, else one gradient per record (what
+    materialising every per-sample gradient holds)."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"physical batch size must be >= 1, got {requested}")
         return requested
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // params))
+    if floats_per_record is None:
+        floats_per_record = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // max(1, floats_per_record)))
 
 
 def _clipped_sum(
@@ -127,9 +136,10 @@ def _noisy_step(
         for index, (p, g) in enumerate(zip(params, clipped, strict=True)):
             if std > 0:
                 g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
-            g.div_(expected_batch)
-            if prox is not None:
-                g.add_(p - prox.anchor[index], alpha=prox.strength)
+            if prox is None:
+                p.add_(g, alpha=-config.learning_rate / expected_batch)
+                continue
+            g.div_(expected_batch).add_(p - prox.anchor[index], alpha=prox.strength)
             p.add_(g, alpha=-config.learning_rate)
 
 
@@ -188,16 +198,45 @@ class DPSGDStepper:
         self.config, self.expected_batch, self.prox = config, expected_batch, prox
         noiseless = audit is not None and audit.noiseless
         self.noise_std = 0.0 if noiseless else config.noise_multiplier * config.clip_norm
-        self.engine = make_engine(model, config.grad_sample_mode)
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.chunk = chunk_size(model, config.physical_batch_size)
         self.noise = secure_generator(noise_seed)
+        # Engine and chunk are set on the first records: ``auto`` may measure the engines on
+        # them (engine_choice), and the chunk follows the engine's per-record memory.
+        self.engine: ClippedSumEngine | None = None
+        self.choice: EngineChoice | None = None
+        self.chunk: int | None = None
+        mode = config.grad_sample_mode
+        self.choice = by_rule(model) if mode == "auto" else EngineChoice(mode, "asked for by name")
+        if self.choice is not None:
+            self.engine = make_engine(model, self.choice.mode)
+
+    def _setup(self, x: Inputs, y: torch.Tensor) -> tuple[ClippedSumEngine, int]:
+        """The engine and chunk size, chosen on the first non-empty batch (x, y)."""
+        requested = self.config.physical_batch_size
+        if self.engine is None:
+            first = chunk_size(self.model, requested)  # what the Opacus engines hold
+            self.choice = choose(self.model, in_memory(x[:first]), y[:first],
+                                 self.config.clip_norm)
+            self.engine = make_engine(self.model, self.choice.mode)
+        if self.chunk is None:
+            floats = None if requested is not None else self.engine.floats_per_record(
+                in_memory(x[:1]))
+            self.chunk = chunk_size(self.model, requested, floats)
+            logger.debug("DP-SGD with the %s engine (%s), chunks of %d",
+                         engine_name(self.model, self.choice.mode) if self.choice else "?",
+                         self.choice.reason if self.choice else "", self.chunk)
+        return self.engine, self.chunk
 
     def step(self, x: Inputs, y: torch.Tensor,
              extra: list[torch.Tensor] | None = None) -> None:
         """One noisy SGD step on the logical batch (x, y), plus ``extra`` clipped gradients
         (the audit's canaries) summed in before the noise."""
-        clipped = _clipped_sum(self.engine, self.params, x, y, self.config.clip_norm, self.chunk)
+        if x.shape[0] == 0:  # Poisson sampling may draw no record: the step is noise alone
+            clipped = [torch.zeros_like(p) for p in self.params]
+        else:
+            engine, chunk = self._setup(x, y)
+            clipped = _clipped_sum(engine, self.params, x, y, self.config.clip_norm, chunk)
         if extra is not None:
             for acc, part in zip(clipped, extra, strict=True):
                 acc.add_(part)
@@ -205,7 +244,8 @@ class DPSGDStepper:
                     self.noise, self.prox)
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def train_dp(
@@ -244,7 +284,7 @@ def train_dp(
     finally:
         stepper.close()
     update = {k: (v.detach() - start[k]) for k, v in model.state_dict().items()}
-    return TrainResult(update, [cost], n, steps, sampled)
+    return TrainResult(update, [cost], n, steps, sampled, engine=stepper.choice)
 
 
 def train_sgd(model: nn.Module, x_train: Inputs, y_train: torch.Tensor,

@@ -37,6 +37,23 @@ reason on the SuperLink: its public key is not registered, or a node with its ke
 (another instance of the silo, or its crashed previous session, with the seconds until that
 expires).
 
+A ServerApp the SuperExec launched gets :data:`LAUNCH_GRACE` seconds, not Flower's 30, to
+start (from the SuperExec's claim of the run's task to the ServerApp's activation of it):
+Flower takes a claim that has not been activated after 30 s for a failed launch and hands the
+task to the SuperExec again, which starts another ``flwr-serverapp``. On a loaded machine a
+ServerApp's start (imports, the FAB's installation) takes minutes: the quick example's 21
+silos in docker compose, on 2 cores shared with other jobs, had ten ``flwr-serverapp``
+processes starting side by side, each launched 30-40 s after the one before, each slowing
+the others. The price: a ServerApp that dies while it starts is launched again after
+:data:`LAUNCH_GRACE` instead of 30 s.
+
+The SuperLink's SQLite state (``dpcfl server --state``, kept across restarts) waits up to
+:data:`SQLITE_BUSY_MS` for a lock, not Flower's 5 s: when 21 silos and the SuperLink share a
+starved machine, the thread holding the write lock can wait longer than that for a core, and
+Flower then fails the request ("database is locked"); the ServerApp's ``pull-messages``
+answered 500 and the run ended in round 1 (the quick example in docker compose, load average
+50-70 on 2 cores).
+
 All of it is latency tuning: :func:`run_superlink` installs it only while the gate of
 :mod:`dpcfl_flwr.flower_compat` is open, and otherwise runs stock ``flower-superlink``.
 """
@@ -53,6 +70,11 @@ from typing import Any
 from .gate import KEY_NOT_REGISTERED, NODE_ONLINE
 
 REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
+#: Seconds a launched ServerApp may take from the SuperExec's claim of its task to activating
+#: it before Flower launches another (Flower: 30).
+LAUNCH_GRACE = 600.0
+#: How long a SuperLink's SQLite connection waits for a lock, ms (Flower: 5000).
+SQLITE_BUSY_MS = 60_000
 
 
 class Arrivals:
@@ -279,6 +301,49 @@ def explain_refused_activations(servicer_class: Any) -> None:
     servicer_class.ActivateNode = ActivateNode
 
 
+def patient_launches(memory_class: Any, sql_class: Any, grace: float) -> None:
+    """Make ``claim_task`` of Flower's in-memory and SQL state classes give the claimed task
+    ``grace`` seconds to be activated (Flower's activation then sets its own deadline)."""
+    from datetime import timedelta
+
+    from flwr.supercore.date import now
+    from flwr.supercore.state.schema.corestate_models import Task as TaskModel
+    from flwr.supercore.utils import uint64_to_int64
+    from sqlalchemy import update
+
+    def in_memory(self: Any, task_id: int, token: str) -> None:
+        with self.lock_task_store:
+            record = self.task_token_store.get(task_id)
+            if record is not None and record.token == token:
+                record.active_until = now() + timedelta(seconds=grace)
+
+    def in_sql(self: Any, task_id: int, token: str) -> None:
+        with self.session() as session:
+            session.execute(update(TaskModel)
+                            .where(TaskModel.task_id == uint64_to_int64(task_id),
+                                   TaskModel.token == token, TaskModel.running_at.is_(None))
+                            .values(active_until=now() + timedelta(seconds=grace)))
+
+    for state_class, extend in ((memory_class, in_memory), (sql_class, in_sql)):
+        def claim_task(self: Any, task_id: int, _claim: Any = state_class.claim_task,
+                       _extend: Callable[[Any, int, str], None] = extend) -> str | None:
+            token = _claim(self, task_id)
+            if token is not None:
+                _extend(self, task_id, token)
+            return token
+
+        state_class.claim_task = claim_task
+
+
+def patient_sqlite(mixin_module: Any, busy_ms: int) -> None:
+    """Make the SQLite connections of Flower's states (``mixin_module``: Flower's
+    ``sql_mixin``, whose connect hook reads its ``SQLITE_PRAGMAS``) wait ``busy_ms`` for a
+    lock."""
+    mixin_module.SQLITE_PRAGMAS = tuple(
+        (pragma, str(busy_ms) if pragma == "busy_timeout" else value)
+        for pragma, value in mixin_module.SQLITE_PRAGMAS)
+
+
 def install(hold: float, reply_hold: float) -> bool:
     """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
     where nothing is changed, and with ``hold`` 0, where only refused activations are
@@ -291,9 +356,12 @@ def install(hold: float, reply_hold: float) -> bool:
     from flwr.server.superlink.fleet.grpc_rere.fleet_servicer import FleetServicer
     from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
     from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+    from flwr.supercore import sql_mixin
     from flwr.superlink.servicer.runtime import runtime_handlers
 
     explain_refused_activations(FleetServicer)
+    patient_launches(InMemoryLinkState, SqlLinkState, LAUNCH_GRACE)
+    patient_sqlite(sql_mixin, SQLITE_BUSY_MS)
     if hold <= 0:
         return False
     arrivals = Arrivals()
@@ -329,6 +397,7 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
     flower_superlink()
 
 
-__all__ = ["REPLY_HOLD", "Arrivals", "activation_refusal", "announce_complete_messages",
-           "explain_refused_activations", "hold_empty_pulls", "hold_reply_pulls", "install",
+__all__ = ["LAUNCH_GRACE", "REPLY_HOLD", "SQLITE_BUSY_MS", "Arrivals", "activation_refusal",
+           "announce_complete_messages", "explain_refused_activations", "hold_empty_pulls",
+           "hold_reply_pulls", "install", "patient_launches", "patient_sqlite",
            "run_superlink"]

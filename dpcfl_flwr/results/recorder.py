@@ -124,14 +124,17 @@ class RunRecorder:
 
     def finish(self, strategy: ClusteredStrategy, result: Result | None = None
                ) -> dict[str, Any]:
-        """Write the final results, plots and models. ``result``: what Flower's round loop
-        returned (its arrays are the cluster models); without it the strategy's models."""
+        """Write the final models, plots and results. ``result``: what Flower's round loop
+        returned (its arrays are the cluster models); without it the strategy's models.
+        The complete results.json comes last: it is what marks a run finished (a comparison
+        grid keeps such a cell), so a run stopped before it left nothing half-written behind
+        a finished mark."""
         results = self.results(strategy, complete=True)
-        write_json_atomic(self.out / "results.json", results)
         arrays = result.arrays if result is not None and result.arrays is not None \
             else strategy.cluster_arrays()
         save_cluster_models(arrays, self.out / "models")
         redraw_figures(results, self.out)
+        write_json_atomic(self.out / "results.json", results)
         self._event({"event": "done", "summary": results["summary"]})
         return results
 

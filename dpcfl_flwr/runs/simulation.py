@@ -109,24 +109,33 @@ def _write_app_dir(directory: Path, experiment: ExperimentConfig) -> None:
 
 
 def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
-                   cpus_per_client: float = 1.0, verbose: bool = False) -> None:
+                   verbose: bool = False, ray_address: str | None = None) -> None:
     """Run ``experiment`` with one virtual SuperNode per silo of its topology (tuned or on
-    stock Flower, as :mod:`dpcfl_flwr.flower_compat`'s gate decides)."""
+    stock Flower, as :mod:`dpcfl_flwr.flower_compat`'s gate decides), each silo's actor
+    holding the run config's silo-cpus and silo-gpus. Ray is a local one of ``cpus`` CPUs
+    (None: all), or with ``ray_address`` the running cluster there (its resources, not
+    ``cpus``); :class:`~.ray_cluster.ClusterError` in one line when it cannot be joined."""
     from ..strategies.exchange import RunInterrupted
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning
-    cpus = cpus or os.cpu_count() or 1
-    backend: dict[str, Any] = {
-        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False,
-                      "logging_level": "DEBUG" if verbose else "ERROR",
-                      "log_to_driver": verbose},
-    }
+    silo = {"num_cpus": experiment.silo_cpus, "num_gpus": experiment.silo_gpus}
+    backend: dict[str, Any] = {"client_resources": silo, "init_args": {}}
+    if ray_address is None:
+        backend["init_args"] = {
+            # "local": a new Ray even where `ray start` left its address in /tmp/ray (or
+            # RAY_ADDRESS is set), which ray.init would otherwise join, and then refuse num_cpus
+            "address": "local",
+            "num_cpus": cpus or os.cpu_count() or 1, "include_dashboard": False,
+            "logging_level": "DEBUG" if verbose else "ERROR", "log_to_driver": verbose,
+            # none unless a silo asks for a share: Ray then counts the machine's own
+            **({} if experiment.silo_gpus else {"num_gpus": 0})}
     with tempfile.TemporaryDirectory(prefix="dpcfl-app-") as app_dir, _environment_kept():
         _write_app_dir(Path(app_dir), experiment)
         with _stopped_by_signals() as received:
+            if ray_address is not None:
+                _join_cluster(ray_address, silo, experiment.ledger_directory(), verbose)
             run_in_engine(num_supernodes=experiment.topology.num_clients,
                           server_app=SERVER_APP, client_app=CLIENT_APP,
                           run_config=experiment.to_run_config(), backend_config=backend,
@@ -135,6 +144,25 @@ def run_simulation(experiment: ExperimentConfig, *, cpus: int | None = None,
         name = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
         raise RunInterrupted(f"the run was stopped ({name}) and Ray shut down",
                              128 + received[0])
+
+
+def _join_cluster(address: str, silo: dict[str, float], ledgers: Path, verbose: bool) -> None:
+    """Connect to the cluster at ``address`` (Flower's engine then uses it as it is, and
+    disconnects at the end) once one of its nodes fits a silo and every node sees the silos'
+    ledger directory; on any failure leave Ray disconnected."""
+    import ray
+
+    from .ray_cluster import check_fits, check_shared, connect
+
+    connect(address, verbose=verbose)
+    try:
+        resources = check_fits(silo)
+        check_shared(ledgers)
+    except BaseException:
+        ray.shutdown()
+        raise
+    logger.info("joined the Ray cluster at %s (CPU %g, GPU %g)", address,
+                resources.get("CPU", 0), resources.get("GPU", 0))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from ..data import ClientData, DataError
 from ..data.arrays import check_schema
 from ..data.schema import Schema
 from ..data.sources import SCHEMA_FREE_SOURCES, SourceRequest, load_records
+from ..dpsgd.engine_choice import EngineChoice
 from ..dpsgd.per_sample import engine_name
 from ..dpsgd.training import (
     DPSGDConfig,
@@ -391,9 +392,9 @@ class Silo:
         """One round of DP-SGD from ``state``; charges the ledger and returns the update with
         the numbers the silo reports (validation figures only with exact metrics)."""
         model = self.new_model(state)
-        self._log_engine(model, config.grad_sample_mode)
         result = train_dp(model, self.data.x_train, self.data.y_train, config,
                           round_number=round_number, seed=self.charge_seed(), prox=prox)
+        self._log_engine(model, result.engine)
         self.charge(result.entries)
         metrics: dict[str, float] = {"num-examples": self.data.num_train}
         if not self.private_metrics and len(self.data.y_val):  # a given split may have none
@@ -401,13 +402,15 @@ class Silo:
                 model, self.data.x_val, self.data.y_val)
         return result.update, metrics
 
-    def _log_engine(self, model: torch.nn.Module, mode: str) -> None:
-        """Say once per silo and run which per-sample engine DP-SGD uses for the model."""
+    def _log_engine(self, model: torch.nn.Module, choice: EngineChoice | None) -> None:
+        """Say once per silo and run which per-sample engine DP-SGD used for the model, and
+        why (no record drawn in any step: nothing to say yet)."""
         key = (self.silo.partition_id, self.run_id)
-        if key not in _ENGINES_LOGGED:
+        if choice is not None and key not in _ENGINES_LOGGED:
             _ENGINES_LOGGED.add(key)
-            logger.info("silo %s: model %s trains with the %s engine", self.silo.partition_id,
-                        self.experiment.model, engine_name(model, mode))
+            logger.info("silo %s: model %s trains with the %s engine: %s",
+                        self.silo.partition_id, self.experiment.model,
+                        engine_name(model, choice.mode), choice.reason)
 
     def evaluation_cost(self, round_number: int) -> list[GaussianSteps]:
         """What answering an evaluate query costs: nothing with exact metrics."""

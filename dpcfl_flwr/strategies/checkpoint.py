@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.settings import ExperimentConfig
+from ..config.settings import OPERATIONAL_KEYS, ExperimentConfig
 from ..config.validation import ConfigError
 from ..files import write_atomically
 from ..methods.base import SiloInfo
@@ -29,10 +29,6 @@ from ..methods.base import SiloInfo
 CHECKPOINT = "checkpoint.pkl"
 #: Format of the file; a checkpoint of another format is refused.
 VERSION = 1
-#: Run-config keys a resumed run may change: where it writes and how long it waits, not
-#: anything a round computes.
-OPERATIONAL_KEYS = frozenset({"out-dir", "resume", "round-timeout", "wait-for-clients",
-                              "threads", "tensorboard"})
 
 
 @dataclass
