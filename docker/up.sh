@@ -37,8 +37,11 @@ trap 'stop_stack "$@"; exit 130' INT TERM
 compose "$@" up --detach --quiet-pull
 compose "$@" logs --follow --no-log-prefix "$runner" &
 follower=$!
-# `wait` prints the runner container's exit code once it has stopped.
-code=$(compose "$@" wait "$runner" | tail -n 1)
+# `wait` returns once the runner's container has stopped (what it prints differs between
+# Compose releases); its exit code is the container's, as Docker recorded it.
+compose "$@" wait "$runner" >/dev/null || true
+container=$(compose "$@" ps --all --quiet "$runner" | tail -n 1)
+code=$(docker inspect --format '{{.State.ExitCode}}' "$container" 2>/dev/null || true)
 kill "$follower" 2>/dev/null || true
 wait "$follower" 2>/dev/null || true
 stop_stack "$@"

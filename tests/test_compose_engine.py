@@ -14,8 +14,8 @@ that the crashed silo was restarted and no container is left running, the result
 
 What it keeps between runs, in ``$DPCFL_DOCKER_CACHE`` (default ``/var/cache/dpcfl-docker``): the
 engine's data root (images and build layers), the base image's tarball, the wheels of the local
-index and the Compose v2 plug-in. Cost on 2 cores: 281-302 s with that cache warm (the image's
-last layers rebuilt in 8-13 s, compose up ~230 s), 625-644 s when the image is built from its
+index and the Compose v2 plug-in. Cost on 2 cores: 226-302 s with that cache warm (the image's
+last layers rebuilt in 1-13 s, the stack 214-230 s), 625-644 s when the image is built from its
 base, ~13 minutes on a fresh machine (debootstrap ~3, wheels ~1, image ~4, run ~5). It skips,
 saying why, where no engine can run: not root, no dockerd or debootstrap (scripts/setup.sh
 installs both), no cgroups.
