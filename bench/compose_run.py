@@ -7,11 +7,11 @@ the SuperLink restarted during a run.
   python bench/compose_run.py faults [--rounds 3] [--no-append]  # kill a silo, restart SuperLink
 
 Each starts a Docker engine of its own and builds the image as tests/test_compose_engine.py does
-(dpcfl_flwr/deploy/docker_engine.py; needs root), runs the stack in a copy of compose.yaml and
-.env with an override that publishes no host ports (and, for the small runs, sets the rounds),
-reads the silos' ledgers from their volumes, and removes the project with its volumes at the
-end. `quick` refuses to start when the machine lacks the memory its 21 silos need, and stops
-the stack if available memory runs low during the run.
+(dpcfl_flwr/deploy/docker_engine.py; needs root), runs the stack with README's docker/up.sh in a
+copy of compose.yaml and .env with an override that publishes no host ports (and, for the
+small runs, sets the rounds), reads the silos' ledgers from their volumes, and removes the
+project with its volumes at the end. `quick` refuses to start when the machine lacks the
+memory its 21 silos need, and stops the stack if available memory runs low during the run.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dpcfl_flwr.deploy.docker_engine import (  # noqa: E402
     docker,
     engine_unavailable,
     private_engine,
+    run_stack,
     volume_ledgers,
 )
 from dpcfl_flwr.privacy.ledger import PrivacyLedger  # noqa: E402
@@ -94,12 +95,8 @@ class Stack:
         return done
 
     def up(self, log: Path) -> subprocess.Popen:
-        """``up --exit-code-from`` the runner, its output to ``log`` (a pipe would fill)."""
-        with log.open("w") as out:
-            return subprocess.Popen(["docker", "compose", "-p", self.project, "--profile",
-                                     self.profile, "up", "--exit-code-from", self.runner],
-                                    cwd=self.directory, env=self.env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+        """README's command (``docker/up.sh <profile>``), its output to ``log``."""
+        return run_stack(self.directory, self.profile, self.project, self.env, log)
 
     def logs(self, *services: str) -> str:
         return self.compose("logs", "--no-color", *services, timeout=120).stdout
@@ -233,8 +230,9 @@ def quick_table(code: int, took: float, results: dict, spent: dict[str, tuple[fl
               if "silo-" not in n}
     within = all(0 < s <= b for s, b in spent.values())
     rows = [
-        ("exit code of `up --exit-code-from serverapp`", f"{code}"),
-        ("wall time, `up` to every container stopped", f"{took:.0f} s ({took / 60:.1f} min)"),
+        ("exit code of `docker/up.sh`", f"{code}"),
+        ("wall time, `docker/up.sh` to every container stopped",
+         f"{took:.0f} s ({took / 60:.1f} min)"),
         ("run complete / silos evaluated",
          f"{results['complete']} / {summary.get('silos_evaluated')}"),
         ("round-1 ARI / final ARI / minority isolated",
@@ -297,13 +295,15 @@ def one_restart(deployed: Stack, attempt: int, stop_round: int, after: float,
     deployed.compose("down", timeout=300, check=True)
     down_took = time.monotonic() - started
     started = time.monotonic()
+    log = CACHE / f"compose-restart-{attempt}.log"
+    up = deployed.up(log)
     try:
-        up = deployed.compose("up", "--exit-code-from", deployed.runner, timeout=1200)
-        code, took = str(up.returncode), time.monotonic() - started
-        dropped = up.stdout.count(DROPPED)
-        (CACHE / f"compose-restart-{attempt}.log").write_text(up.stdout + up.stderr)
+        code, took = str(up.wait(timeout=1200)), time.monotonic() - started
+        dropped = log.read_text(errors="replace").count(DROPPED)
     except subprocess.TimeoutExpired:
-        code, took, dropped = "hung (killed after 1200 s)", time.monotonic() - started, -1
+        up.terminate()  # docker/up.sh stops the stack
+        up.wait(timeout=300)
+        code, took, dropped = "hung (stopped after 1200 s)", time.monotonic() - started, -1
     written = sorted((p for p in (deployed.directory / "results" / "compose").iterdir()
                       if (p / "results.json").is_file()),
                      key=lambda p: (p / "results.json").stat().st_mtime)
@@ -376,10 +376,10 @@ def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
                                deployed.ledgers().items()) if r}
     del killed_at
     return (f"A silo killed (`docker kill` of silo {victim} in round {killed_in} of {rounds}, "
-            f"`docker start` 5 s later): the run went on, `up` exited {up.returncode} after "
-            f"{took:.0f} s, complete {results['complete']}, the killed silo evaluated in round "
-            f"{client['evaluated_round']}, dropped rounds {client['dropped_rounds']}; rounds "
-            f"counted twice in a ledger: {twice or 'none'}.")
+            f"`docker start` 5 s later): the run went on, `docker/up.sh` exited "
+            f"{up.returncode} after {took:.0f} s, complete {results['complete']}, the killed "
+            f"silo evaluated in round {client['evaluated_round']}, dropped rounds "
+            f"{client['dropped_rounds']}; rounds counted twice in a ledger: {twice or 'none'}.")
 
 
 def restarted_superlink(deployed: Stack, rounds: int) -> list[str]:
@@ -403,9 +403,9 @@ def restarted_superlink(deployed: Stack, rounds: int) -> list[str]:
         code = "none: still running after 1200 s"
     took = time.monotonic() - started
     runner_tail = [line for line in log.read_text().splitlines() if deployed.runner in line][-4:]
-    lines = [f"The SuperLink restarted in round {restarted_in} of {rounds}: `up` exited {code} "
-             f"after {took:.0f} s. The runner's last lines:", "", "```", *runner_tail, "```",
-             ""]
+    lines = [f"The SuperLink restarted in round {restarted_in} of {rounds}: `docker/up.sh` "
+             f"exited {code} after {took:.0f} s. The runner's last lines:", "", "```",
+             *runner_tail, "```", ""]
     results = deployed.directory / "results" / "compose" / "laptop-run" / "results.json"
     if not (results.is_file() and json.loads(results.read_text()).get("complete")):
         lines.append(resumed(deployed))

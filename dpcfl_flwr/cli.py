@@ -23,16 +23,8 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from .data import DataError
-from .privacy.budget import plan_noise
 from .privacy.defaults import DEFAULT_ACCOUNTANT, DEFAULT_BUDGET_MODE, DEFAULT_CONVERSION
 from .privacy.schedule import FULL_BATCH, two_stage_schedule
-from .results.privacy_report import (
-    authors_noise_multiplier,
-    compare_accountants,
-    plan_dict,
-    print_comparison,
-    print_noise_table,
-)
 
 
 def _add_attack(typer_app: typer.Typer) -> None:
@@ -192,6 +184,17 @@ def privacy_noise(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Calibrate the noise multiplier z for a client's whole DP-SGD schedule."""
+    # Imported here: the accountants bring dp-accounting and SciPy's signal package (~1 s and
+    # ~50 MB), which every other command, a silo's supervisor among them, does without.
+    from .privacy.budget import plan_noise
+    from .results.privacy_report import (
+        authors_noise_multiplier,
+        compare_accountants,
+        plan_dict,
+        print_comparison,
+        print_noise_table,
+    )
+
     first = _parse_first_batch(first_batch)
     shape = {"samples": samples, "batch": batch, "first_batch": first, "rounds": rounds,
              "epochs": epochs}

@@ -339,6 +339,11 @@ def test_load_dataset_caches_per_resolved_directory(tmp_path: Path) -> None:
     assert load_dataset("MNIST", f"{tmp_path}/./mnist/") is first
     make_cifar(tmp_path / "cifar")
     assert load_dataset("cifar10", str(tmp_path / "cifar"))[0].images.shape[1] == 3
+    # a deployed silo releases them once its records are cached: read again, same content
+    readers.release_cached_datasets()
+    again = load_dataset("mnist", tmp_path / "mnist")
+    assert again is not first
+    np.testing.assert_array_equal(again[0].images, first[0].images)
 
 
 def test_load_dataset_auto_detects_fmnist_via_env(

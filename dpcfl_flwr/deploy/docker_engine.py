@@ -201,6 +201,7 @@ def compose_project(directory: Path, repo: Path, runner: str, settings: Sequence
         shutil.copy(repo / name, directory / name)
     shutil.copytree(repo / "examples", directory / "examples")  # the runner's run configs
     shutil.copytree(repo / "docker" / "no-data", directory / "docker" / "no-data")
+    shutil.copy2(repo / "docker" / "up.sh", directory / "docker" / "up.sh")  # README's command
     shipped = yaml.safe_load((repo / "compose.yaml").read_text())
     command = list(shipped["services"][runner]["command"])
     for setting in settings:
@@ -209,6 +210,27 @@ def compose_project(directory: Path, repo: Path, runner: str, settings: Sequence
         "services:\n  superlink:\n    ports: !reset []\n"
         f"  {runner}:\n    command: {json.dumps(command)}\n{services}")
     return directory
+
+
+def run_stack(directory: Path, profile: str, project: str, env: dict[str, str], log: Path
+              ) -> subprocess.Popen:
+    """README's one command, ``docker/up.sh <profile>``, in ``directory`` (made by
+    :func:`compose_project`) as compose project ``project``, its output to ``log`` (a pipe
+    would fill): the stack up, the runner followed, the stack stopped when the run ends; its
+    exit code is the runner's."""
+    with log.open("w") as out:
+        return subprocess.Popen([str(directory / "docker" / "up.sh"), profile, "-p", project],
+                                cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def container_state(env: dict[str, str], container: str) -> dict[str, object]:
+    """``docker inspect``'s view of a container: its ``State`` plus ``RestartCount`` ({} when
+    there is no such container)."""
+    done = docker(env, "inspect", container, timeout=60, check=False)
+    if done.returncode != 0:
+        return {}
+    found = json.loads(done.stdout)[0]
+    return {**found["State"], "RestartCount": found.get("RestartCount", 0)}
 
 
 class MemorySampler(threading.Thread):

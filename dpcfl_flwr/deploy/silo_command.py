@@ -15,7 +15,6 @@ from .. import app_pin
 from ..config.settings import ConfigError, SiloConfig
 from ..flower_compat import KEY_NOT_REGISTERED, NODE_ONLINE
 from ..flower_compat.environment import use_this_environment
-from ..privacy.history import DEFAULT_ACCOUNTANT
 from ..silo.model_files import model_files, model_path
 from . import silo_torch
 from .silo_file import check_silo, deployed_settings, load_silo_file, supernode_command
@@ -165,7 +164,7 @@ def _silo_plan(node: SiloConfig) -> dict[str, str]:
     test = node.test_samples or "the dataset's default"
     return {
         "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}",
-        "ledger": f"{node.ledger_path} ({_spent_so_far(node)})",
+        "ledger": f"{node.ledger_path} ({silo_torch.ledger_summary(node)})",
         "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
                    f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
                    f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
@@ -189,23 +188,6 @@ def _print_models(ledger_path: str, since: float) -> None:
     written = [path for path in model_files(ledger_path) if path.stat().st_mtime >= since]
     if written:
         silo_torch.print_models(written)
-
-
-def _spent_so_far(node: SiloConfig) -> str:
-    """What the silo's ledger already holds: earlier runs' spend is not available to this one."""
-    from ..privacy.ledger import PrivacyBudget, PrivacyLedger
-
-    assert node.epsilon is not None and node.delta is not None  # resolved
-    try:
-        ledger = PrivacyLedger.load(node.ledger_path)
-    except ValueError as exc:
-        return f"unreadable: {exc}"
-    if not ledger.entries:
-        return "new: nothing spent yet"
-    spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta,
-                                       accountant=node.accountant or DEFAULT_ACCOUNTANT))
-    return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
-            f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 
 
 # What flower-supernode prints when the SuperLink refuses to start its session (it exits 1 for

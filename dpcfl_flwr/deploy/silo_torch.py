@@ -1,15 +1,19 @@
-"""What ``dpcfl client`` needs torch for, each done in a short-lived process of its own.
+"""What ``dpcfl client`` needs torch (or the accountants) for, each done in a short-lived
+process of its own.
 
 The silo supervisor lives as long as its silo but never trains (its SuperNode does). It needs
 torch three times: to check the silo's records (and the federation's schema, whose model is
 loaded to validate it) before it joins, to ask CUDA about the silo's device, and to read the
 model files a run left. Torch, once imported, stays in the process: some 300 MB resident for
-each silo on a host, for nothing. So each of these runs in a child,
-``python -m dpcfl_flwr.deploy.silo_torch {records|device|models} ...``, which says what the
-supervisor shows and exits, its memory returned.
+each silo on a host, for nothing. The same holds, smaller, for the privacy accountants it
+needs once, to say what the silo's ledger already spent: dp-accounting and the SciPy it loads
+are ~55 MB resident. So each of these runs in a child,
+``python -m dpcfl_flwr.deploy.silo_torch {records|device|models|ledger} ...``, which says what
+the supervisor shows and exits, its memory returned.
 
 ``records`` and ``device`` print a JSON list of problem lines (one line each, as the
-supervisor's other checks); ``models`` prints one line per model file for the operator.
+supervisor's other checks); ``models`` prints one line per model file for the operator;
+``ledger`` prints the ledger's state in one line.
 """
 
 from __future__ import annotations
@@ -43,6 +47,34 @@ def print_models(paths: list[Path]) -> None:
     by a child, or why a file cannot be read."""
     sys.stdout.flush()
     subprocess.run(_command("models", *(str(path) for path in paths)), check=False)
+
+
+def ledger_summary(settings: SiloConfig) -> str:
+    """What the silo's ledger already holds (earlier runs' spend is not available to this
+    one), measured by the silo's own accountant in a child."""
+    done = subprocess.run(_command("ledger", json.dumps(settings.model_dump(
+        mode="json", by_alias=True))), stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip().splitlines()[-1]
+    return f"not measured: the check failed (exit code {done.returncode}; its error is above)"
+
+
+def _ledger_line(settings_json: str) -> str:
+    from ..privacy.defaults import DEFAULT_ACCOUNTANT
+    from ..privacy.ledger import PrivacyBudget, PrivacyLedger
+
+    node = SiloConfig.model_validate(json.loads(settings_json))
+    assert node.epsilon is not None and node.delta is not None  # resolved
+    try:
+        ledger = PrivacyLedger.load(node.ledger_path)
+    except ValueError as exc:
+        return f"unreadable: {exc}"
+    if not ledger.entries:
+        return "new: nothing spent yet"
+    spent = ledger.spent(PrivacyBudget(node.epsilon, node.delta,
+                                       accountant=node.accountant or DEFAULT_ACCOUNTANT))
+    return (f"epsilon {spent:.4g} of {node.epsilon:g} already spent in earlier runs, "
+            f"{max(node.epsilon - spent, 0.0):.4g} left for the next")
 
 
 def _command(*args: str) -> list[str]:
@@ -100,10 +132,16 @@ def _describe_models(paths: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The child: ``records SETTINGS_JSON``, ``device DEVICE`` or ``models PATH...``."""
+    """The child: ``records SETTINGS_JSON``, ``device DEVICE``, ``models PATH...`` or
+    ``ledger SETTINGS_JSON``."""
     what, *args = argv
     if what == "models":
         _describe_models(args)
+        return 0
+    if what == "ledger":
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer alone
+            line = _ledger_line(*args)
+        sys.stdout.write(line + "\n")
         return 0
     checks = {"records": _records_check, "device": _device_check}
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer alone

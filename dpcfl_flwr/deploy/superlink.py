@@ -31,7 +31,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ..flower_compat import IN_MEMORY_DATABASE
+from ..flower_compat import IN_MEMORY_DATABASE, register_node_keys
 from ..flower_compat.environment import flower_tool
 from .certs import certificate_problems, server_certificate_problems
 from .superlink_launcher import DEFAULT_PULL_HOLD
@@ -259,18 +259,22 @@ class Registration:
 
 
 def register_keys(s: ServerSettings, keys: list[Path]) -> Registration:
-    """Register silo public keys with the SuperLink (``flwr supernode register``, a few at a
-    time: each is a Python process, ~0.7 s of CPU); a key registered before is left as it is."""
+    """Register silo public keys with the SuperLink; a key registered before is left as it
+    is. One client in this process makes every request (:func:`register_node_keys`); with
+    Flower's tuning gate closed, ``flwr supernode register`` runs once per key instead, a few
+    at a time (each a Python process, ~0.7 s of CPU)."""
+    answers = register_node_keys(s.flwr_home, s.connection, keys)
+    if answers is None:
+        with ThreadPoolExecutor(max_workers=REGISTERING_AT_ONCE) as pool:
+            answers = list(pool.map(partial(_register_by_command, s), keys))
     result = Registration()
-    with ThreadPoolExecutor(max_workers=REGISTERING_AT_ONCE) as pool:
-        for key, (outcome, failure) in zip(keys, pool.map(partial(_register, s), keys),
-                                           strict=True):
-            if outcome == "registered":
-                result.registered.append(key)
-            elif outcome == "already":
-                result.already.append(key)
-            else:
-                result.failures.append(failure or f"could not register {key}")
+    for key, (registered, refusal) in zip(keys, answers, strict=True):
+        if registered:
+            result.registered.append(key)
+        elif f"[code: {PUBLIC_KEY_ALREADY_IN_USE}]" in str(refusal):
+            result.already.append(key)
+        else:
+            result.failures.append(f"could not register {key}: {_one_line(refusal)}")
     return result
 
 
@@ -282,8 +286,8 @@ REGISTERING_AT_ONCE = 4
 REGISTER_TIMEOUT = 600.0
 
 
-def _register(s: ServerSettings, key: Path) -> tuple[str, str | None]:
-    """("registered" | "already" | "failed", the failure in one line)."""
+def _register_by_command(s: ServerSettings, key: Path) -> tuple[bool, str | None]:
+    """(registered, the refusal) from Flower's public command."""
     try:
         done = subprocess.run([flower_tool("flwr") or "flwr", "supernode", "register",
                                str(key), s.connection, "--name", key.stem, "--format", "json"],
@@ -291,22 +295,24 @@ def _register(s: ServerSettings, key: Path) -> tuple[str, str | None]:
                               timeout=REGISTER_TIMEOUT,
                               env={**os.environ, "FLWR_HOME": str(s.flwr_home)})
     except subprocess.TimeoutExpired:
-        return "failed", (f"could not register {key}: `flwr supernode register` did not "
-                          f"answer within {REGISTER_TIMEOUT:.0f} s (is the machine overloaded?)")
+        return False, (f"`flwr supernode register` did not answer within "
+                       f"{REGISTER_TIMEOUT:.0f} s (is the machine overloaded?)")
     answer = _json_answer(done.stdout)
     if answer.get("success") is True:
-        return "registered", None
-    if f"[code: {PUBLIC_KEY_ALREADY_IN_USE}]" in str(answer.get("error-message")):
-        return "already", None
-    reason = re.sub(r"\x1b\[[0-9;]*m", "",  # colours, then Flower's log prefix and exit code
-                    str(answer.get("error-message") or done.stderr or done.stdout))
+        return True, None
+    return False, str(answer.get("error-message") or done.stderr or done.stdout
+                      or f"flwr exited with {done.returncode}")
+
+
+def _one_line(refusal: str | None) -> str:
+    """Flower's refusal as one line: no colours, log prefix, exit code, box drawing, nor the
+    connection line and link that open and close its messages."""
+    reason = re.sub(r"\x1b\[[0-9;]*m", "", str(refusal or "no reason given"))
     reason = re.sub(r"ERROR\s*:|Exit Code: \d+", "", reason)
     lines = [line.strip(" │╭╮╰╯─") for line in reason.splitlines()]
-    # Flower opens a message with the connection it used and ends it with a link: no reason.
     lines = [line for line in lines if line and not line.startswith(
         ("Using SuperLink", "For more information"))]
-    return "failed", (f"could not register {key}: "
-                      f"{' '.join(lines) or f'flwr exited with {done.returncode}'}")
+    return " ".join(lines) or "no reason given"
 
 
 def _json_answer(output: str) -> dict[str, object]:

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any, cast
 
 from . import gate
@@ -130,6 +131,19 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
           "at once", file=sys.stderr, flush=True)
     sys.argv = ["flower-superlink", *flower_arguments]
     flower_command("flower-superlink")()
+
+
+def register_node_keys(flwr_home: Path, connection: str, keys: Sequence[Path]
+                       ) -> list[tuple[bool, str | None]] | None:
+    """Register silo public keys with the SuperLink of ``connection`` (in ``flwr_home``'s
+    Flower configuration) through one client in this process (:mod:`.registration`): per key,
+    (registered, Flower's refusal in one line). None with the gate closed: the caller then
+    runs Flower's public ``flwr supernode register`` once per key, only slower."""
+    if not gate.TUNING:
+        return None
+    from .registration import register_keys
+
+    return register_keys(flwr_home, connection, keys)
 
 
 def flower_command(name: str) -> Callable[[], object]:
