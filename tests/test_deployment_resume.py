@@ -1,10 +1,13 @@
-"""A deployed run whose SuperLink and ServerApp die mid-run, resumed with `dpcfl submit --resume`.
+"""A deployed run whose SuperLink and ServerApp die mid-run, resumed with `dpcfl submit --resume`,
+or by the `dpcfl submit --resume-on-restart` that submitted it.
 
 The README's deployment on 127.0.0.1 (TLS, node keys, one `dpcfl client` per silo): once the
 run has checkpointed round 2, the SuperLink is killed with everything under it (its ServerApp
-too) and so is `dpcfl submit`; the SuperLink is started again, the silos rejoin it by
-themselves, and `dpcfl submit --resume` finishes the run from its checkpoint. Every silo keeps
-one noise plan across the two Flower runs (the run key) and stays within its budget.
+too); the SuperLink is started again and the silos rejoin it by themselves. Either `dpcfl
+submit` is killed too and an operator's `dpcfl submit --resume` finishes the run from its
+checkpoint, or the first `dpcfl submit --resume-on-restart 1` waits for the SuperLink and does
+so itself. Every silo keeps one noise plan across the Flower runs (the run key) and stays
+within its budget.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _checkpointed(path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_run_resumes_after_its_superlink_and_serverapp_died(tmp_path):
+@pytest.mark.parametrize("who", ["operator", "submit itself"])
+def test_a_run_resumes_after_its_superlink_and_serverapp_died(tmp_path, who):
     deployment = LocalDeployment(tmp_path / "deployment", clusters="1,2")
     deployment.up("--in-memory")
     deployment.use_snapshot(REPO)  # one app for the silos and the FAB
@@ -55,22 +59,29 @@ def test_a_run_resumes_after_its_superlink_and_serverapp_died(tmp_path):
     try:
         for index in range(deployment.silos):
             deployment.silo(index, "--samples-per-client", "64", "--test-samples", "40")
-        first = _submit(deployment, "submit-1.log", *settings)
+        by_itself = who == "submit itself"
+        first = _submit(deployment, "submit-1.log", *settings,
+                        *(["--resume-on-restart", "1"] if by_itself else []))
         deadline = time.monotonic() + 300
         while _checkpointed(out / CHECKPOINT) < 2:
             assert time.monotonic() < deadline and first.poll() is None, (
                 (deployment.root / "submit-1.log").read_text()[-3000:])
             time.sleep(0.1)
         deployment.kill("server")  # the SuperLink and the ServerApp it runs
-        first.kill()
-        first.wait(timeout=30)
+        if not by_itself:
+            first.kill()
+            first.wait(timeout=30)
         died_after = _checkpointed(out / CHECKPOINT)
         assert died_after < ROUNDS
         deployment.restart_server()
-        second = _submit(deployment, "submit-2.log", "--resume", str(out))
+        second = first if by_itself else _submit(deployment, "submit-2.log", "--resume",
+                                                 str(out))
         second.wait(timeout=600)
-        shown = (deployment.root / "submit-2.log").read_text()
+        shown = (deployment.root / ("submit-1.log" if by_itself else "submit-2.log")).read_text()
         assert second.returncode == 0, shown[-3000:]
+        if by_itself:
+            assert "the SuperLink went away during the run" in shown
+            assert shown.count("submitting ") == 2
     finally:
         deployment.down()
     results = json.loads((out / "results.json").read_text())

@@ -158,8 +158,11 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
 
 
 def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> str:
+    # a SuperLink restarted during the run (a crash, `docker compose restart superlink`):
+    # the runner waits for it and continues the run from its checkpoint in /results
     command = ["dpcfl", "submit", "--superlink", f"superlink:{API_PORT}",
                "--root-certificates", "/certs/ca.crt", "--app", "/app",
+               "--resume-on-restart", "3",
                "--config", "/run-config/${DPCFL_RUN_CONFIG:-quick.toml}",
                "--set", f'clusters="{topology}"',
                "--set", f"min-clients={topology.num_clients}",
@@ -205,7 +208,9 @@ def compose_yaml(options: ComposeOptions) -> str:
 # ends and returns the run's exit code; a silo's crash does not stop it (`docker compose up
 # --exit-code-from serverapp` also ends with the run, but any container's exit stops it all).
 # A silo that crashes (out of memory, say) is started again (restart: on-failure:5) and rejoins
-# under its node id; Docker restarts nothing the operator stopped (`stop`, `kill`).
+# under its node id; a SuperLink that crashes is started again too, and the runner continues
+# the run from its checkpoint (submit --resume-on-restart). Docker restarts nothing the
+# operator stopped (`stop`, `kill`).
 # Results appear in ./results/compose/<profile>-run (-2, -3, ... for later runs); each silo's
 # ledger lives in its own volume.
 # The project name and default profile come from .env (COMPOSE_PROJECT_NAME, COMPOSE_PROFILES).
@@ -235,6 +240,7 @@ x-gpu: &gpu
 services:
   superlink:
     <<: *app
+    restart: on-failure:5  # a crashed SuperLink comes back; the runner resumes the run
     command:
 {_list(["sh", "-c", f"rm -f {READY} && {shlex.join(certs_command)} && exec "
                      f"{shlex.join(server_command)}"], 6)}

@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -23,6 +25,9 @@ from .supervision import (
     stop,
     wait_passing_output,
 )
+
+if TYPE_CHECKING:
+    from ..config.settings import ExperimentConfig
 
 
 def submit(
@@ -48,6 +53,11 @@ def submit(
         None, "--resume", file_okay=False,
         help="Continue the killed run whose results directory (its out-dir, on this host) "
              "this is, from its last completed round."),
+    resume_on_restart: int = typer.Option(
+        0, "--resume-on-restart", min=0,
+        help="When the SuperLink goes away during the run (the log stream ends, the run not "
+             "finished), wait for it and submit the run again with --resume, up to this many "
+             "times (its out-dir must be readable here)."),
 ) -> None:
     """Submit a run to a SuperLink (`flwr run` with a validated run config)."""
     from ..config.config_file import load_config, parse_override
@@ -77,6 +87,24 @@ def submit(
                               connection=SUBMIT_CONNECTION)
     settings.certs = None if root_certificates is None else root_certificates.parent
     home = write_connection(settings, root_certificates).parent
+    os.environ.setdefault("FLWR_HOME", str(home))
+    use_this_environment()
+    for attempt in range(resume_on_restart + 1):
+        if attempt:
+            experiment = _after_restart(settings, experiment, attempt, resume_on_restart)
+        last = attempt == resume_on_restart
+        watch = _submit_and_follow(app_dir, home, experiment, superlink, stream, last)
+        if watch is not None:
+            _end_with_outcome(watch, last)  # returns only for a run to resume
+
+
+def _submit_and_follow(app_dir: Path, home: Path, experiment: ExperimentConfig,
+                       superlink: str, stream: bool, last: bool = True
+                       ) -> StreamWatch | None:
+    """``flwr run`` of ``experiment``, followed (``stream``) until its log stream ends, and
+    what it saw. On the ``last`` try, exits as ``flwr run`` did when the run never started or
+    failed; before it, a run that never started returns None (a SuperLink still going away,
+    say: the caller tries again). Exits on Ctrl-C."""
     run_config = home / "dpcfl-run-config.toml"
     run_config.write_text("".join(f"{k} = {toml_value(v)}\n"
                                   for k, v in experiment.to_run_config().items()))
@@ -86,8 +114,6 @@ def submit(
         command.append("--stream")
     console.print(f"submitting {experiment.method} (E={experiment.num_server_rounds}, "
                   f"{experiment.expected_clients} silos) to {superlink}")
-    os.environ.setdefault("FLWR_HOME", str(home))
-    use_this_environment()
     code, watch, stopped = _follow(command)
     hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
     run = "the run" if watch.run_id is None else f"run {watch.run_id}"
@@ -96,12 +122,49 @@ def submit(
                      if watch.run_id is not None else "stopped before the SuperLink said it "
                      f"started the run; it may have ({hint})", highlight=False, markup=False)
         raise typer.Exit(code=128 + signal.SIGINT)
-    if code != 0 or watch.run_id is None:
+    if watch.run_id is None and not last:
+        return None
+    if watch.run_id is None or (code != 0 and last):
         raise typer.Exit(code=code or 1)  # `flwr run` has said why
     if not stream:
         console.print(f"{run} started ({hint})", highlight=False, markup=False)
         raise typer.Exit(code=0)
-    _end_with_outcome(watch)
+    return watch
+
+
+#: Seconds ``--resume-on-restart`` waits for a SuperLink that went away to listen again,
+#: after a pause of ``RESTART_SETTLE`` seconds.
+RESTART_WAIT = 900.0
+RESTART_SETTLE = 5.0
+
+
+def _after_restart(settings: ServerSettings, experiment: ExperimentConfig, attempt: int,
+                   attempts: int) -> ExperimentConfig:
+    """Wait for the SuperLink to listen again, then the run config that continues
+    ``experiment`` from its checkpoint in its out-dir; one line and exit 1 when either
+    fails."""
+    from ..runs.simulation import AlreadyFinished, resumed_experiment
+    from ..strategies.checkpoint import CHECKPOINT
+    from .superlink import wait_until_listening
+
+    errors.print(f"the SuperLink went away during the run: waiting up to {RESTART_WAIT:.0f} s "
+                 f"for it, then resuming from {experiment.out_dir} (attempt {attempt} of "
+                 f"{attempts})", highlight=False, markup=False)
+    time.sleep(RESTART_SETTLE)  # a SuperLink on its way down may still accept connections
+    if not wait_until_listening(settings.api_address, RESTART_WAIT):
+        stop([f"the SuperLink at {settings.api_address} did not come back within "
+              f"{RESTART_WAIT:.0f} s"])
+    out = Path(experiment.out_dir).resolve()
+    if not (out / CHECKPOINT).exists():
+        return experiment  # it went away before the first checkpoint: the run from the start
+    try:
+        return resumed_experiment(out, None, {})
+    except AlreadyFinished as done:
+        console.print(escape(str(done)), highlight=False)
+        raise typer.Exit(code=0) from None
+    except (ValueError, OSError) as exc:
+        stop([f"cannot resume: {exc}"])
+        raise
 
 
 #: The Flower connection `dpcfl submit` writes into $FLWR_HOME/config.toml and runs with.
@@ -131,13 +194,17 @@ def _follow(command: list[str]) -> tuple[int, StreamWatch, bool]:
     return code, watch, stopped
 
 
-def _end_with_outcome(watch: StreamWatch) -> None:
-    """Exit 0 if the followed run completed; otherwise 1, its one error line last."""
+def _end_with_outcome(watch: StreamWatch, last: bool = True) -> None:
+    """Exit 0 if the followed run completed; 1, its one error line last, if it failed. For a
+    run the SuperLink does not report finished (gone, or restarted without it), return (the
+    caller resumes it) unless this was the ``last`` try, which exits 1 too."""
     assert watch.run_id is not None
     status = final_status(flower_tool("flwr") or "flwr", SUBMIT_CONNECTION, watch.run_id,
                           os.environ)
     hint = follow_hint(watch.run_id, SUBMIT_CONNECTION, Path(os.environ["FLWR_HOME"]))
     if status is None or not status.finished:
+        if not last:
+            return
         errors.print(f"[bold red]error:[/] the log stream of run {watch.run_id} ended but the "
                      f"SuperLink does not say the run finished "
                      f"({'no answer' if status is None else status.status}); "
@@ -149,6 +216,7 @@ def _end_with_outcome(watch: StreamWatch) -> None:
                      highlight=False)
         raise typer.Exit(code=1)
     console.print(f"run {watch.run_id} completed", highlight=False)
+    raise typer.Exit(code=0)
 
 
 def _undeclared_keys(app_dir: Path, run_config: dict[str, object]) -> list[str]:
