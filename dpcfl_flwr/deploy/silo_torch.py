@@ -138,15 +138,12 @@ def main(argv: list[str]) -> int:
     if what == "models":
         _describe_models(args)
         return 0
-    if what == "ledger":
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer alone
-            line = _ledger_line(*args)
-        sys.stdout.write(line + "\n")
-        return 0
-    checks = {"records": _records_check, "device": _device_check}
+    answers = {"records": lambda: json.dumps(_records_check(*args)),
+               "device": lambda: json.dumps(_device_check(*args)),
+               "ledger": lambda: _ledger_line(*args)}
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer alone
-        found = checks[what](*args)
-    sys.stdout.write(json.dumps(found) + "\n")
+        answer = answers[what]()
+    sys.stdout.write(answer + "\n")
     return 0
 
 

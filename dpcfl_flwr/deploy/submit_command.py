@@ -17,7 +17,7 @@ from rich.markup import escape
 from ..config.config_file import flat_keys, toml_value
 from ..flower_compat.environment import flower_tool, use_this_environment
 from .runs import StreamWatch, final_status, follow_hint
-from .superlink import ServerSettings, write_connection
+from .superlink import ServerSettings, wait_until_listening, write_connection
 from .supervision import (
     console,
     die_with_parent,
@@ -145,7 +145,6 @@ def _after_restart(settings: ServerSettings, experiment: ExperimentConfig, attem
     fails."""
     from ..runs.simulation import AlreadyFinished, resumed_experiment
     from ..strategies.checkpoint import CHECKPOINT
-    from .superlink import wait_until_listening
 
     errors.print(f"the SuperLink went away during the run: waiting up to {RESTART_WAIT:.0f} s "
                  f"for it, then resuming from {experiment.out_dir} (attempt {attempt} of "
