@@ -134,13 +134,14 @@ def client(
     except ConfigError as exc:
         stop([str(exc)])
         return
-    stop_if(check_silo(silo, node_config))
+    checked = check_silo(silo, node_config)
+    stop_if(checked.problems)
     command = supernode_command(silo, node_config)
     print_plan(f"silo {silo.name}", {
         "SuperLink (gRPC)": silo.superlink,
         "TLS": "off (insecure)" if silo.insecure else f"on, CA {silo.root_certificates}",
         "node authentication": silo.auth_private_key or "off",
-        **_silo_plan(deployed_settings(node_config)),
+        **_silo_plan(deployed_settings(node_config), checked.ledger),
         "ClientApp": "warm (in the SuperNode's process, for all messages)" if silo.warm
         else "one flwr-clientapp process per message",
         "app": f"pinned: only a FAB that ships the code installed in {app_pin.PACKAGE} runs",
@@ -156,15 +157,16 @@ def client(
     raise typer.Exit(code=code)
 
 
-def _silo_plan(node: SiloConfig) -> dict[str, str]:
-    """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)."""
+def _silo_plan(node: SiloConfig, ledger: str) -> dict[str, str]:
+    """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)
+    and what its ledger already holds."""
     topology = node.topology
     cluster = (node.true_cluster if node.true_cluster >= 0
                else topology.cluster_of(node.partition_id))
     test = node.test_samples or "the dataset's default"
     return {
         "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}",
-        "ledger": f"{node.ledger_path} ({silo_torch.ledger_summary(node)})",
+        "ledger": f"{node.ledger_path} ({ledger})",
         "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
                    f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
                    f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
