@@ -19,6 +19,8 @@ partition-id = 0
 true-cluster = 0                            # evaluation only
 epsilon = 10.0                              # required: the silo's budget ...
 delta = 1e-4                                # ... both parts of it
+# run-epsilon = 5.0                         # optional: what one run plans to spend of it
+                                            # (unset: all that is left)
 ledger-path = "../ledgers/silo-00.json"     # required: where its spending is recorded
 dataset = "fmnist"                          # its records: never taken from the server
 clusters = "3,6,6,6"
