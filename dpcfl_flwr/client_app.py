@@ -23,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from .config.settings import ConfigError, parse_node_config, parse_run_config
 from .data import DataError
+from .data.readers import release_cached_datasets
 from .protocol import (
     BAD_REQUEST,
     BUDGET_EXCEEDED,
@@ -113,6 +114,12 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
         except (ConfigError, DataError, ValueError) as exc:
             logger.error("silo cannot run %s: %s", message.metadata.message_type, exc)
             return Message(Error(SILO_FAILED, f"{type(exc).__name__}: {exc}"), reply_to=message)
+        finally:
+            if not running_in_simulation():
+                # a deployed silo answers for one partition, whose records it caches
+                # (silo/silo.py): the benchmark they were sliced from is dead weight until
+                # another run asks for other records
+                release_cached_datasets()
 
     wrapped.__name__ = handler.__name__
     return wrapped

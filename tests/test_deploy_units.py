@@ -70,7 +70,7 @@ samples-per-client = 64
 
 def test_a_valid_silo_file_becomes_a_tls_supernode_command(tmp_path):
     silo, node = load_silo_file(_silo_file(tmp_path), {}, {})
-    assert check_silo(silo, node) == []
+    assert check_silo(silo, node).problems == []
     command = supernode_command(silo, node)
     assert command[:4] == [sys.executable, "-P", "-m", "dpcfl_flwr.deploy.supernode_launcher"]
     assert command[command.index("--idle-poll") + 1] == "0.5" and "--insecure" not in command
@@ -87,10 +87,10 @@ def test_silo_file_problems_are_named(tmp_path):
     _silo_file(tmp_path)
     silo, node = load_silo_file(tmp_path / "silo.toml", {"root-certificates": "",
                                                           "insecure": False}, {})
-    assert any("TLS needs root-certificates" in p for p in check_silo(silo, node))
+    assert any("TLS needs root-certificates" in p for p in check_silo(silo, node).problems)
     silo, node = load_silo_file(tmp_path / "silo.toml",
                                 {"root-certificates": str(tmp_path / "silo.toml")}, {})
-    assert any("not a PEM certificate" in p for p in check_silo(silo, node))
+    assert any("not a PEM certificate" in p for p in check_silo(silo, node).problems)
     with pytest.raises(ConfigError, match="'epsilon' = -1"):
         load_silo_file(tmp_path / "silo.toml", {}, {"epsilon": -1})
     with pytest.raises(ConfigError, match="unknown key 'colour'"):
@@ -147,7 +147,7 @@ def test_a_silo_without_its_own_budget_or_ledger_refuses_to_start_with_one_line(
     silo_file.write_text(silo_file.read_text().replace("delta = 1e-5\n", "").replace(
         'ledger-path = "ledgers/silo-00.json"\n', ""))
     silo, node = load_silo_file(silo_file, {}, {})
-    assert [p for p in check_silo(silo, node) if "must be set" in p] == [
+    assert [p for p in check_silo(silo, node).problems if "must be set" in p] == [
         "node config: delta, ledger-path must be set in the silo's own node config (silo "
         "file); a deployed silo never takes its budget or ledger from the server"]
     refused = subprocess.run([sys.executable, "-m", "dpcfl_flwr.cli", "client", str(silo_file),

@@ -39,6 +39,16 @@ def test_a_silo_whose_records_cannot_be_read_does_not_start(tmp_path, flags, say
     assert "silo s" not in result.stdout  # no plan: nothing started
 
 
+def test_one_child_answers_records_device_and_ledger_together(tmp_path):
+    """A silo asking for a GPU on a machine without CUDA is refused in the same start as a
+    partition out of range: the start's one child answers every question at once."""
+    result = _client(tmp_path, "--partition-id", "30", "--device", "cuda:0")
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = " ".join(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    assert "client id 30 is out of range" in errors
+    assert "device cuda:0: CUDA is not available on this machine" in errors
+
+
 def test_a_silo_whose_records_are_readable_prints_its_plan(tmp_path):
     result = _client(tmp_path, "--partition-id", "2")
     assert result.returncode == 0, result.stderr

@@ -23,7 +23,7 @@ from dpcfl_flwr.privacy.defaults import AUTHORS_ACCOUNTING
 from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
 from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.protocol import BUDGET_EXCEEDED, SELECT, metrics_of
-from dpcfl_flwr.silo.silo import Schedule, Silo
+from dpcfl_flwr.silo.silo import BudgetExceeded, Schedule, Silo
 from tests.test_malicious_server import DELTA, EPSILON, ROUNDS, Attacker, _refused
 
 SELECTION_ROUNDS = (4, 5)  # R-DPCFL's window: the last rounds select privately, then train
@@ -170,3 +170,31 @@ def test_an_authors_ledger_is_measured_whole_and_the_next_run_fills_the_budget(t
         new.check([entry], entry.round)
         new.charge([entry])
     assert 0.99 * EPSILON <= new.spent() <= EPSILON
+
+
+def test_a_silo_with_run_epsilon_spends_that_per_run_until_its_budget_is_spent(tmp_path):
+    """``run-epsilon`` (the silo's own setting) is what one run plans to spend: two whole runs
+    end at half the budget and at the budget, each within 1%, each run's selections taking
+    their share of its half; a third run finds nothing left and is refused."""
+    half = EPSILON / 2
+    node = parse_node_config({"partition-id": 1, "epsilon": EPSILON, "delta": DELTA,
+                              "run-epsilon": half, "ledger-path": str(tmp_path / "l.json"),
+                              "clusters": "1,1", "samples-per-client": 80,
+                              "test-samples": 40})
+    experiment = parse_run_config({"clusters": "1,1", "num-server-rounds": ROUNDS,
+                                   "rdpcfl.select-window": 0.4, "out-dir": str(tmp_path)})
+    schedule = RDPCFL(experiment, experiment.methods["rdpcfl"],
+                      ServerState(np.zeros(1, np.float32))).schedule()
+    plans = []
+    for run, ends_at in ((1, half), (2, EPSILON)):
+        silo = Silo(node, experiment, run)
+        plans.append(silo.plan(schedule))
+        for entry in _whole_schedule(silo, plans[-1], schedule, 1 + (run - 1) * ROUNDS):
+            silo.check([entry], entry.round)
+            silo.charge([entry])
+        silo.persist()
+        assert 0.99 * ends_at <= silo.spent() <= ends_at
+    assert plans[1].epsilon_select == pytest.approx(plans[0].epsilon_select, rel=0.02)
+    assert plans[0].epsilon_select == pytest.approx(0.03 * half, rel=1e-9)
+    with pytest.raises(BudgetExceeded, match="no noise level fits the remaining budget"):
+        Silo(node, experiment, 3).plan(schedule)

@@ -63,6 +63,9 @@ def client(
         None, "--partition-id",
         help="Which client of the topology this silo is (0-based): its records and cluster."),
     epsilon: float = typer.Option(None, "--epsilon", help="Required (file or flag)."),
+    run_epsilon: float = typer.Option(
+        None, "--run-epsilon",
+        help="How much of the budget one run plans to spend (default: all that is left)."),
     delta: float = typer.Option(None, "--delta", help="Required (file or flag)."),
     ledger_path: Path = typer.Option(None, "--ledger-path", help="Required (file or flag)."),
     data_dir: Path = typer.Option(None, "--data-dir",
@@ -121,7 +124,8 @@ def client(
                  "warm": warm, "idle-poll": idle_poll}
     node = {k: v for k, v in {
         "partition-id": partition_id, "epsilon": epsilon, "delta": delta,
-        "ledger-path": absolute(ledger_path), "data-dir": absolute(data_dir),
+        "run-epsilon": run_epsilon, "ledger-path": absolute(ledger_path),
+        "data-dir": absolute(data_dir),
         "dataset": dataset, "clusters": clusters, "shift": shift,
         "samples-per-client": samples_per_client, "val-fraction": val_fraction,
         "test-samples": test_samples, "data-draw": data_draw, "data-seed": data_seed,
@@ -134,13 +138,14 @@ def client(
     except ConfigError as exc:
         stop([str(exc)])
         return
-    stop_if(check_silo(silo, node_config))
+    checked = check_silo(silo, node_config)
+    stop_if(checked.problems)
     command = supernode_command(silo, node_config)
     print_plan(f"silo {silo.name}", {
         "SuperLink (gRPC)": silo.superlink,
         "TLS": "off (insecure)" if silo.insecure else f"on, CA {silo.root_certificates}",
         "node authentication": silo.auth_private_key or "off",
-        **_silo_plan(deployed_settings(node_config)),
+        **_silo_plan(deployed_settings(node_config), checked.ledger),
         "ClientApp": "warm (in the SuperNode's process, for all messages)" if silo.warm
         else "one flwr-clientapp process per message",
         "app": f"pinned: only a FAB that ships the code installed in {app_pin.PACKAGE} runs",
@@ -156,15 +161,18 @@ def client(
     raise typer.Exit(code=code)
 
 
-def _silo_plan(node: SiloConfig) -> dict[str, str]:
-    """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)."""
+def _silo_plan(node: SiloConfig, ledger: str) -> dict[str, str]:
+    """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)
+    and what its ledger already holds."""
     topology = node.topology
     cluster = (node.true_cluster if node.true_cluster >= 0
                else topology.cluster_of(node.partition_id))
     test = node.test_samples or "the dataset's default"
     return {
-        "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}",
-        "ledger": f"{node.ledger_path} ({silo_torch.ledger_summary(node)})",
+        "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}, "
+                  + ("each run plans to spend what is left" if node.run_epsilon is None
+                     else f"each run plans to spend at most {node.run_epsilon:g} of it"),
+        "ledger": f"{node.ledger_path} ({ledger})",
         "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
                    f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
                    f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "

@@ -19,6 +19,8 @@ partition-id = 0
 true-cluster = 0                            # evaluation only
 epsilon = 10.0                              # required: the silo's budget ...
 delta = 1e-4                                # ... both parts of it
+# run-epsilon = 5.0                         # optional: what one run plans to spend of it
+                                            # (unset: all that is left)
 ledger-path = "../ledgers/silo-00.json"     # required: where its spending is recorded
 dataset = "fmnist"                          # its records: never taken from the server
 clusters = "3,6,6,6"
@@ -119,16 +121,19 @@ def deployed_settings(node: SiloConfig) -> SiloConfig:
     return node.resolved(None, trust_run_config=False)
 
 
-def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
-    """Everything that would stop the silo, as messages for people (empty: ready)."""
+def check_silo(silo: SiloFile, node: SiloConfig) -> silo_torch.SiloInspection:
+    """Everything that would stop the silo, as messages for people (``problems`` empty:
+    ready), and what its ledger already holds (``ledger``)."""
     problems = []
+    ledger = "not measured: the silo's settings are incomplete"
     try:
         settings = deployed_settings(node)
     except ConfigError as exc:
         problems.append(str(exc))
     else:
-        if not settings.data_dir or Path(settings.data_dir).is_dir():  # else said below
-            problems += silo_torch.records_problems(settings)
+        inspection = silo_torch.inspect_silo(settings)
+        problems += inspection.problems
+        ledger = inspection.ledger
     if silo.insecure and silo.root_certificates:
         problems.append("insecure = true and root-certificates are both set: choose one")
     if not silo.insecure and not silo.root_certificates:
@@ -150,11 +155,9 @@ def check_silo(silo: SiloFile, node: SiloConfig) -> list[str]:
         problems.append(f"ledger directory {Path(node.ledger_path).parent} is not writable")
     if node.data_dir and not Path(node.data_dir).is_dir():
         problems.append(f"data-dir {node.data_dir} does not exist")
-    if node.device.startswith("cuda"):
-        problems += silo_torch.device_problems(node.device)
     if flower_tool("flower-supernode") is None:
         problems.append("flower-supernode is not on PATH (install flwr==1.39.0)")
-    return problems
+    return silo_torch.SiloInspection(problems, ledger)
 
 
 def _check_node_key(path: Path) -> list[str]:

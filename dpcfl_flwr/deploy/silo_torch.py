@@ -1,19 +1,17 @@
-"""What ``dpcfl client`` needs torch (or the accountants) for, each done in a short-lived
-process of its own.
+"""What ``dpcfl client`` needs torch (or the accountants) for, done in a short-lived process of
+its own.
 
 The silo supervisor lives as long as its silo but never trains (its SuperNode does). It needs
-torch three times: to check the silo's records (and the federation's schema, whose model is
-loaded to validate it) before it joins, to ask CUDA about the silo's device, and to read the
-model files a run left. Torch, once imported, stays in the process: some 300 MB resident for
-each silo on a host, for nothing. The same holds, smaller, for the privacy accountants it
-needs once, to say what the silo's ledger already spent: dp-accounting and the SciPy it loads
-are ~55 MB resident. So each of these runs in a child,
-``python -m dpcfl_flwr.deploy.silo_torch {records|device|models|ledger} ...``, which says what
-the supervisor shows and exits, its memory returned.
-
-``records`` and ``device`` print a JSON list of problem lines (one line each, as the
-supervisor's other checks); ``models`` prints one line per model file for the operator;
-``ledger`` prints the ledger's state in one line.
+torch at its start, to check the silo's records (and the federation's schema, whose model is
+loaded to validate it) before it joins and to ask CUDA about the silo's device, and at its end,
+to read the model files a run left. Torch, once imported, stays in the process: some 300 MB
+resident for each silo on a host, for nothing. The same holds, smaller, for the privacy
+accountants it needs once, to say what the silo's ledger already spent: dp-accounting and the
+SciPy it loads are ~55 MB resident. So each of the two moments runs one child,
+``python -m dpcfl_flwr.deploy.silo_torch {start SETTINGS_JSON | models PATH...}``, which says
+what the supervisor shows and exits, its memory returned: one child for all the start's
+questions, since each child pays torch's import again (1-3 s of CPU on a busy host, times the
+silos that start together).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import contextlib
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.settings import SiloConfig
@@ -29,17 +28,34 @@ from ..config.settings import SiloConfig
 _MODULE = "dpcfl_flwr.deploy.silo_torch"
 
 
-def records_problems(settings: SiloConfig) -> list[str]:
-    """Why a silo with these deployed settings could not build its records (its schema file
-    unreadable, a missing or damaged data file, records that do not fit the schema: one line,
-    :func:`dpcfl_flwr.silo.silo.records_problem`); empty: it can. Checked in a child."""
-    return _problems("the silo's records", "records",
-                     json.dumps(settings.model_dump(mode="json", by_alias=True)))
+@dataclass(frozen=True)
+class SiloInspection:
+    """What a silo's start learns from its child.
+
+    ``problems``: why the silo could not build its records (its schema file unreadable, a
+    missing or damaged data file, records that do not fit the schema: one line each,
+    :func:`dpcfl_flwr.silo.silo.records_problem`) or use its CUDA device; empty: it can.
+    ``ledger``: what its ledger already holds (earlier runs' spend is not available to this
+    one), measured by the silo's own accountant, or why it was not measured."""
+
+    problems: list[str]
+    ledger: str
 
 
-def device_problems(device: str) -> list[str]:
-    """Why the silo cannot use CUDA ``device`` here (empty: it can). Checked in a child."""
-    return _problems(f"device {device}", "device", device)
+def inspect_silo(settings: SiloConfig) -> SiloInspection:
+    """Ask one child about the silo with these deployed (resolved) settings. Records are
+    checked only when the data directory, if any, exists (a missing one is said by the
+    supervisor's own checks); the device only when it is a CUDA device."""
+    done = subprocess.run(_command("start", json.dumps(settings.model_dump(
+        mode="json", by_alias=True))), stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode == 0:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            found = json.loads(done.stdout)
+            return SiloInspection([str(line) for line in found["problems"]],
+                                  str(found["ledger"]))
+    failed = f"the check failed (exit code {done.returncode}; its error is above)"
+    return SiloInspection([f"the silo's records and device: {failed}"],
+                          f"not measured: {failed}")
 
 
 def print_models(paths: list[Path]) -> None:
@@ -49,21 +65,10 @@ def print_models(paths: list[Path]) -> None:
     subprocess.run(_command("models", *(str(path) for path in paths)), check=False)
 
 
-def ledger_summary(settings: SiloConfig) -> str:
-    """What the silo's ledger already holds (earlier runs' spend is not available to this
-    one), measured by the silo's own accountant in a child."""
-    done = subprocess.run(_command("ledger", json.dumps(settings.model_dump(
-        mode="json", by_alias=True))), stdout=subprocess.PIPE, text=True, check=False)
-    if done.returncode == 0 and done.stdout.strip():
-        return done.stdout.strip().splitlines()[-1]
-    return f"not measured: the check failed (exit code {done.returncode}; its error is above)"
-
-
-def _ledger_line(settings_json: str) -> str:
+def _ledger_line(node: SiloConfig) -> str:
     from ..privacy.defaults import DEFAULT_ACCOUNTANT
     from ..privacy.ledger import PrivacyBudget, PrivacyLedger
 
-    node = SiloConfig.model_validate(json.loads(settings_json))
     assert node.epsilon is not None and node.delta is not None  # resolved
     try:
         ledger = PrivacyLedger.load(node.ledger_path)
@@ -83,24 +88,22 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", _MODULE, *args]
 
 
-def _problems(what: str, *args: str) -> list[str]:
-    """The problem lines a child prints; one line saying so if the child fails (its
-    traceback is on stderr, above)."""
-    done = subprocess.run(_command(*args), stdout=subprocess.PIPE, text=True, check=False)
-    if done.returncode == 0:
-        with contextlib.suppress(ValueError):
-            found = json.loads(done.stdout)
-            if isinstance(found, list):
-                return [str(line) for line in found]
-    return [f"{what}: the check failed (exit code {done.returncode}; its error is above)"]
+def _start_answers(settings_json: str) -> str:
+    """The child's answer at a silo's start: a JSON object of its problems and ledger line."""
+    settings = SiloConfig.model_validate(json.loads(settings_json))
+    problems = []
+    if not settings.data_dir or Path(settings.data_dir).is_dir():
+        problems += _records_check(settings)
+    if settings.device.startswith("cuda"):
+        problems += _device_check(settings.device)
+    return json.dumps({"problems": problems, "ledger": _ledger_line(settings)})
 
 
-def _records_check(settings_json: str) -> list[str]:
+def _records_check(settings: SiloConfig) -> list[str]:
     from ..config.config_file import load_schema
     from ..config.validation import ConfigError
     from ..silo.silo import records_problem
 
-    settings = SiloConfig.model_validate(json.loads(settings_json))
     try:
         schema = load_schema(settings.schema_file) if settings.schema_file else None
     except ConfigError as exc:
@@ -132,17 +135,13 @@ def _describe_models(paths: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The child: ``records SETTINGS_JSON``, ``device DEVICE``, ``models PATH...`` or
-    ``ledger SETTINGS_JSON``."""
+    """The child: ``start SETTINGS_JSON`` or ``models PATH...``."""
     what, *args = argv
     if what == "models":
         _describe_models(args)
         return 0
-    answers = {"records": lambda: json.dumps(_records_check(*args)),
-               "device": lambda: json.dumps(_device_check(*args)),
-               "ledger": lambda: _ledger_line(*args)}
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer alone
-        answer = answers[what]()
+        answer = _start_answers(*args)
     sys.stdout.write(answer + "\n")
     return 0
 

@@ -69,7 +69,6 @@ from flwr.supernode.runtime.run_clientapp import (
 )
 
 from .. import app_pin
-from ..data.readers import release_cached_datasets
 from .environment import flower_tool
 
 logger = logging.getLogger(__name__)
@@ -176,9 +175,6 @@ class WarmRuntime:
         try:
             self._run(task, token)
         finally:
-            # one silo's runtime: its records are cached, the benchmark they came from is not
-            # needed until another run asks for other records (data.readers)
-            release_cached_datasets()
             if self.on_task_done is not None:
                 self.on_task_done()
 

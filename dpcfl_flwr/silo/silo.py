@@ -281,8 +281,8 @@ class Silo:
         n, b = self.data.num_train, self.budget
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
         history = self.ledger.history(self._reserved_metrics(s))
-        # a server may ask for less than the budget (minimum-epsilon baseline), never more
-        target = min(b.epsilon, s.epsilon_target) if s.epsilon_target > 0 else b.epsilon
+        spent_before = self.spent() if self.ledger.entries else 0.0
+        target = self._run_target(spent_before, s.epsilon_target)
         try:
             if not self.ledger.entries:
                 plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
@@ -290,14 +290,25 @@ class Silo:
                                   accountant=b.accountant)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key(),
                                 b.accountant)
-            # Earlier runs already spent part of the budget: fit this run into what is left.
-            eps_select = s.select_ratio * target
+            # Earlier runs already spent part of the budget: fit this run into what is left,
+            # its selections taking their share of what this run may spend.
+            eps_select = s.select_ratio * max(target - spent_before, 0.0)
             history = history + History.of_selections(eps_select, s.select_rounds)
             z = accountant_named(b.accountant).calibrate(phases, target, b.delta,
                                                          s.conversion, history)
         except ValueError as exc:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key(), b.accountant)
+
+    def _run_target(self, spent_before: float, server_target: float = 0.0) -> float:
+        """The epsilon (earlier runs' spend included) a new run is calibrated to end at: the
+        budget; less with the silo's ``run-epsilon`` (earlier spend plus that); less when the
+        server asks for less (``server_target`` > 0: the minimum-epsilon baseline), never
+        more."""
+        target = self.budget.epsilon
+        if self.silo.run_epsilon is not None:
+            target = min(target, spent_before + self.silo.run_epsilon)
+        return min(target, server_target) if server_target > 0 else target
 
     def _reserved_metrics(self, s: Schedule) -> list[GaussianSteps]:
         """The run's private evaluations, as one ledger entry (none with exact metrics)."""
