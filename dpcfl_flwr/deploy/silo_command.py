@@ -3,6 +3,7 @@ budget, ledger and records and runs only the app installed here."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -226,7 +227,9 @@ def _supervise(command: list[str], rejoin_wait: float) -> int:
     its session started lost its SuperLink (it restarted, with the run to resume): start it
     again for ``rejoin_wait`` s. An unregistered key, TLS failures and every other error end
     the silo at once, a refusal with one line saying why."""
-    deadline = time.monotonic() + rejoin_wait
+    # rejoin_wait counts from the first refusal, not from the start: a SuperNode that takes
+    # long to start on a busy host still gets its retries
+    deadline = math.inf
     signalled.clear()
     attempts = 0
     lost = False
@@ -246,6 +249,8 @@ def _supervise(command: list[str], rejoin_wait: float) -> int:
             return life.code
         if life.code == 0 or life.refusal is None:
             return life.code
+        if deadline == math.inf:
+            deadline = time.monotonic() + rejoin_wait
         if KEY_NOT_REGISTERED in life.refusal or time.monotonic() >= deadline:
             waited = f" (asked {attempts} times in {rejoin_wait:g} s)" if attempts > 1 else ""
             errors.print(f"error: the SuperLink refused this silo{waited}: {life.refusal}",
