@@ -394,9 +394,9 @@ class SiloConfig(ConfigModel):
     epsilon: float | None = Field(None, gt=0.0)
     delta: float | None = Field(None, gt=0.0, lt=1.0)
     # how much of ``epsilon`` one run plans to spend: a run is calibrated to end at what
-    # earlier runs spent plus this (at most ``epsilon``); unset: all that is left, so a silo's
-    # first run spends its whole budget and a later run finds none (docs/privacy.md#runs-
-    # after-the-first). The ledger's limit stays ``epsilon``
+    # earlier runs spent plus this (at most ``epsilon``); unset: all that is left, so a
+    # silo's first run spends its whole budget and a later run finds none
+    # (docs/privacy.md#runs-after-the-first). The ledger's limit stays ``epsilon``
     run_epsilon: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     ledger_path: str = ""
     data_dir: str = ""
