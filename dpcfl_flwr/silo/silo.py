@@ -297,6 +297,12 @@ class Silo:
             z = accountant_named(b.accountant).calibrate(phases, target, b.delta,
                                                          s.conversion, history)
         except ValueError as exc:
+            if spent_before > 0:  # the usual case: earlier runs spent (about) all of it
+                raise BudgetExceeded(
+                    f"no noise level fits the remaining budget: earlier runs spent epsilon "
+                    f"{spent_before:.4g} of {b.epsilon:g}, this run may end at {target:.4g} "
+                    "(a silo meant for several runs sets run-epsilon, "
+                    "docs/privacy.md#runs-after-the-first)") from None
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key(), b.accountant)
 
