@@ -250,7 +250,7 @@ class Silo:
                 raise BudgetExceeded("the server changed the DP schedule in the middle of a run")
             return SiloPlan(**stored)
         spent_before = self.spent()
-        plan = self._calibrate(schedule)
+        plan = self._calibrate(schedule, spent_before)
         self._unstored_plan = (key, plan)
         if spent_before > 0:
             logger.warning("silo %s starts run %s with epsilon %.4g of %g already spent in "
@@ -274,14 +274,15 @@ class Silo:
             self._unstored_plan = None
         self.ledger.record(entries)
 
-    def _calibrate(self, s: Schedule) -> SiloPlan:
+    def _calibrate(self, s: Schedule, spent_before: float) -> SiloPlan:
         """z for the schedule under the silo's own accountant, composed with the ledger's
-        history (earlier runs) and the run's private evaluations; selections take their share
-        of the budget as the budget mode says (docs/privacy.md#calibrating-z)."""
+        history (earlier runs, which spent ``spent_before``: measured once by the caller, a
+        PLD composition of the whole history) and the run's private evaluations; selections
+        take their share of the budget as the budget mode says
+        (docs/privacy.md#calibrating-z)."""
         n, b = self.data.num_train, self.budget
         phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
         history = self.ledger.history(self._reserved_metrics(s))
-        spent_before = self.spent() if self.ledger.entries else 0.0
         target = self._run_target(spent_before, s.epsilon_target)
         try:
             if not self.ledger.entries:
@@ -306,7 +307,7 @@ class Silo:
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key(), b.accountant)
 
-    def _run_target(self, spent_before: float, server_target: float = 0.0) -> float:
+    def _run_target(self, spent_before: float, server_target: float) -> float:
         """The epsilon (earlier runs' spend included) a new run is calibrated to end at: the
         budget; less with the silo's ``run-epsilon`` (earlier spend plus that); less when the
         server asks for less (``server_target`` > 0: the minimum-epsilon baseline), never
