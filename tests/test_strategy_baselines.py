@@ -9,6 +9,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from dpcfl_flwr.config.settings import ConfigError, parse_run_config
 from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
+from dpcfl_flwr.flower_compat.ended_sessions import SESSION_ENDED, error_reply
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
@@ -240,3 +241,29 @@ def test_a_silo_the_server_cannot_register_is_left_out_not_the_run(server_task_i
     assert len(grid.of_type("train")) == ROUNDS * (len(TRUTH) - 1)
     complaints = [r.getMessage() for r in caplog.records if "cannot use" in r.getMessage()]
     assert complaints and all(f"node {NODE + 2}" in c and "num-train" in c for c in complaints)
+
+
+class SiloLostBySuperLink(ScriptedSilo):
+    """Silo 1's round-2 training and round-3 evaluation are answered by the SuperLink in its
+    name (its session ended with the message in hand): the error reply Flower's SuperLink
+    sends, from the SuperLink's own node, not the silo's."""
+
+    def __call__(self, message):
+        config = message.content.config_records.get("config", {})
+        lost = (message.metadata.message_type, int(config.get("server-round", 0)))
+        if self.partition == 1 and lost in (("train", 2), ("evaluate", 3)):
+            return error_reply(message)
+        return super().__call__(message)
+
+
+def test_an_error_the_superlink_sends_in_a_silos_name_counts_for_that_silo(
+        server_task_identity, caplog):
+    strategy, grid, _ = _run("oracle", make_silo=SiloLostBySuperLink)
+    assert strategy.silos[1].dropped_rounds == [2]
+    assert all(s.dropped_rounds == [] for p, s in strategy.silos.items() if p != 1)
+    said = [r.getMessage() for r in caplog.records if "silo 1" in r.getMessage()]
+    assert f"round 2: silo 1 failed (code 5): {SESSION_ENDED}" in said
+    assert f"evaluation on silo 1 failed: {SESSION_ENDED}" in said
+    assert not any("did not reply" in r.getMessage() for r in caplog.records)
+    first_eval = strategy.reports[2].test_accuracy
+    assert 1 not in first_eval and len(first_eval) == len(TRUTH) - 1

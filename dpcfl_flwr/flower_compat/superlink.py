@@ -35,7 +35,9 @@ the Control API's middleware (:mod:`.control_middleware`), and a SuperNode whose
 is refused is told why, where Flower says only "Failed to activate SuperNode." and logs the
 reason on the SuperLink: its public key is not registered, or a node with its key is online
 (another instance of the silo, or its crashed previous session, with the seconds until that
-expires).
+expires). A message pulled by a silo whose session then ended (it was killed and came back
+at once) gets an error reply at the ServerApp's next request, so the round goes on without
+that silo (:mod:`.ended_sessions`).
 
 A ServerApp the SuperExec launched gets :data:`LAUNCH_GRACE` seconds, not Flower's 30, to
 start (from the SuperExec's claim of the run's task to the ServerApp's activation of it):
@@ -347,7 +349,8 @@ def patient_sqlite(mixin_module: Any, busy_ms: int) -> None:
 def install(hold: float, reply_hold: float) -> bool:
     """Patch Flower's SuperLink: whether idle polls are held (False with the tuning off,
     where nothing is changed, and with ``hold`` 0, where only refused activations are
-    explained)."""
+    explained, launches and SQLite locks get their patience and ended sessions' messages
+    their error replies)."""
     from . import gate
 
     if not gate.TUNING:
@@ -359,7 +362,10 @@ def install(hold: float, reply_hold: float) -> bool:
     from flwr.supercore import sql_mixin
     from flwr.superlink.servicer.runtime import runtime_handlers
 
+    from . import ended_sessions
+
     explain_refused_activations(FleetServicer)
+    ended_sessions.install()
     patient_launches(InMemoryLinkState, SqlLinkState, LAUNCH_GRACE)
     patient_sqlite(sql_mixin, SQLITE_BUSY_MS)
     if hold <= 0:

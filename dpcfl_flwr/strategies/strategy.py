@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Protocol
 
@@ -61,10 +61,20 @@ class RunObserver(Protocol):
 
 @dataclass
 class _Sent:
-    """A round's messages in flight: the silo each went to (by node id) and when (monotonic)."""
+    """A round's messages in flight, by the silo (partition) each went to, and when they
+    left (monotonic s)."""
 
-    partitions: dict[int, int]
-    at: float
+    messages: dict[int, Message]
+    at: float = field(default_factory=time.monotonic)
+
+    def by_silo(self, replies: Iterable[Message]) -> dict[int, Message]:
+        """``replies`` by the silo whose message each answers. Matched on the message a reply
+        answers, not on its sender: the SuperLink answers in a silo's name when the silo
+        cannot (its node went offline, or its session ended with the message in hand), and
+        such an error reply comes from the SuperLink's own node."""
+        partition_of = {m.metadata.message_id: p for p, m in self.messages.items()}
+        return {partition_of[r.metadata.reply_to_message_id]: r for r in replies
+                if r.metadata.reply_to_message_id in partition_of}
 
 
 def _to_send(model: WireModel | None, cluster: int) -> WireModel:
@@ -91,7 +101,8 @@ class ClusteredStrategy(Strategy):
                                  self.method.silos_needed())
         self.observer = observer
         self.reports: list[RoundReport] = []
-        self._sent: _Sent | None = None
+        self._sent: _Sent | None = None  # the round's train messages
+        self._evaluating: _Sent | None = None  # its evaluate messages
         #: Rounds done before this process (a resumed run): Flower's loop passes them by.
         self.completed = 0
         #: What silos key their noise plan by: the same across resumes, so a resumed silo
@@ -186,7 +197,7 @@ class ClusteredStrategy(Strategy):
             return []
         self.refresh_silos(grid)  # silos that (re)joined since the last round
         messages = self._train_messages(server_round)
-        self._sent = _Sent({self.silos[p].node_id: p for p in messages}, time.monotonic())
+        self._sent = _Sent(messages)
         return list(messages.values())
 
     def _train_messages(self, server_round: int) -> dict[int, Message]:
@@ -243,11 +254,9 @@ class ClusteredStrategy(Strategy):
         cluster models stay here (the run's ``Result`` gets them at the end)."""
         if server_round <= self.completed:
             return None, None
-        sent, self._sent = self._sent or _Sent({}, time.monotonic()), None
-        by_node = sent.partitions or {s.node_id: p for p, s in self.silos.items()}
-        keyed = {by_node[m.metadata.src_node_id]: m for m in replies
-                 if m.metadata.src_node_id in by_node}
-        missing = sorted(set(by_node.values()) - set(keyed))
+        sent, self._sent = self._sent or _Sent({}), None
+        keyed = sent.by_silo(replies)
+        missing = sorted(set(sent.messages) - set(keyed))
         report = self._fold_train(server_round, keyed, missing, time.monotonic() - sent.at)
         return None, MetricRecord({"silos-trained": len(report.trained)})
 
@@ -301,15 +310,16 @@ class ClusteredStrategy(Strategy):
         if server_round <= self.completed or not self.evaluates(server_round):
             return []
         packed = cache(self._model_record)
-        messages = []
+        messages = {}
         for partition in sorted(p for p, s in self.silos.items() if s.node_id >= 0):
             cluster = self.current_cluster(partition)
             model = packed(cluster)
             content = one_record(CONFIG, {"server-round": server_round, "cluster": cluster},
                                  {} if model is None else {ARRAYS: model})
-            messages.append(Message(content, dst_node_id=self.silos[partition].node_id,
-                                    message_type="evaluate", ttl=self._ttl()))
-        return messages
+            messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
+                                          message_type="evaluate", ttl=self._ttl())
+        self._evaluating = _Sent(messages)
+        return list(messages.values())
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                            ) -> MetricRecord | None:
@@ -320,10 +330,8 @@ class ClusteredStrategy(Strategy):
             return None
         report = self.reports[-1]
         if self.evaluates(server_round):
-            by_node = {s.node_id: p for p, s in self.silos.items()}
-            report.test_accuracy = self._fold_evaluate(
-                {by_node[m.metadata.src_node_id]: m for m in replies
-                 if m.metadata.src_node_id in by_node})
+            sent, self._evaluating = self._evaluating or _Sent({}), None
+            report.test_accuracy = self._fold_evaluate(sent.by_silo(replies))
         self._log_round(report)
         if self.observer is not None:
             self.observer.round_done(self, report)
