@@ -367,11 +367,11 @@ def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
     started = time.monotonic()
     up = deployed.up(CACHE / "compose-silo-kill.log")
     wait_for(lambda: deployed.round_under_way() >= 2, 900, "round 2")
-    time.sleep(2)
+    wait_for(lambda: holds_a_message(deployed.logs(service)), 900,
+             f"silo {victim} holding a message", every=0.2)
     killed_in = deployed.round_under_way()
     registered = deployed.logs(service).count(REGISTERED)  # the container's log keeps lives
     docker(deployed.env, "kill", container)
-    killed_at = time.monotonic()
     deployed.note(f"silo {victim}: `docker kill` in round {killed_in}")
     time.sleep(5)
     docker(deployed.env, "start", container)
@@ -383,14 +383,24 @@ def killed_silo(deployed: Stack, rounds: int, victim: int = 3) -> str:
     took = time.monotonic() - started
     results = deployed.results("laptop-run")
     client = next(c for c in results["clients"] if c["partition"] == victim)
+    said = [line.split("strategy: ", 1)[-1].split("silos: ", 1)[-1]
+            for line in (CACHE / "compose-silo-kill.log").read_text().splitlines()
+            if f"round {killed_in}" in line and f"silo {victim}" in line
+            or f"round {killed_in} [" in line]
     twice = {n: r for n, r in ((n, rounds_counted_twice(lg)) for n, lg in
                                deployed.ledgers().items()) if r}
-    del killed_at
     return (f"A silo killed (`docker kill` of silo {victim} in round {killed_in} of {rounds}, "
             f"`docker start` 5 s later): the run went on, `docker/up.sh` exited "
             f"{up.returncode} after {took:.0f} s, complete {results['complete']}, the killed "
             f"silo evaluated in round {client['evaluated_round']}, dropped rounds "
-            f"{client['dropped_rounds']}; rounds counted twice in a ledger: {twice or 'none'}.")
+            f"{client['dropped_rounds']}; rounds counted twice in a ledger: {twice or 'none'}. "
+            f"The runner's log of round {killed_in}: " + " / ".join(said))
+
+
+def holds_a_message(log: str) -> bool:
+    """Whether a silo's log (its SuperNode's and its runtime's lines, every life of the
+    container) shows a message received and not yet answered."""
+    return log.count("Receiving: ") > log.count("message answered in this process")
 
 
 def restarted_superlink(deployed: Stack, rounds: int) -> list[str]:
