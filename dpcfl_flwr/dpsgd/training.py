@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 # Per-sample gradients of one chunk hold chunk * p floats; this caps them at ~512 MiB.
 _PER_SAMPLE_FLOAT_BUDGET = 128 * 1024 * 1024
+# An engine that reports its floats per record (the layerwise one) gets chunks of at most
+# ~128 MiB, its own floats and the activations counted (:func:`chunk_size`). The quick
+# example's CNN runs its full-batch round (375 records) in chunks of 236 instead of one of
+# 375: the step took 0.86x the time and the silo's peak memory was ~110 MB lower; ResNet-18-GN
+# (CIFAR-10) in chunks of 28 instead of 202, the step 1.01x the time, ~0.8 GB less at its
+# peak (one thread, interleaved, 2026-11-27).
+_CHUNK_FLOAT_BUDGET = 32 * 1024 * 1024
+#: What a chunk holds per float of a record's activations (the forward outputs): the outputs,
+#: what autograd keeps for the backward pass, and their gradients.
+_ACTIVATION_COPIES = 3
 _MAX_CHUNK = 512
 
 
@@ -92,17 +102,47 @@ def secure_generator(seed: int | None = None) -> torch.Generator:
 
 
 def chunk_size(model: nn.Module, requested: int | None,
-               floats_per_record: int | None = None) -> int:
-    """Physical batch: the requested one, or the largest whose per-record floats fit the
-    budget: ``floats_per_record`` as the engine reports it, else one gradient per record (what
-    materialising every per-sample gradient holds)."""
+               floats_per_record: int | None = None, activations: int = 0) -> int:
+    """Physical batch: the requested one, or the largest whose per-record floats fit a
+    budget. With ``floats_per_record`` (what the engine holds per record) and
+    ``activations`` (:func:`activation_floats`): those floats plus the activations'
+    copies, in :data:`_CHUNK_FLOAT_BUDGET`. Without: one gradient per record (what
+    materialising every per-sample gradient holds) in :data:`_PER_SAMPLE_FLOAT_BUDGET`."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"physical batch size must be >= 1, got {requested}")
         return requested
     if floats_per_record is None:
-        floats_per_record = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // max(1, floats_per_record)))
+        per_record = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        budget = _PER_SAMPLE_FLOAT_BUDGET
+    else:
+        per_record = floats_per_record + _ACTIVATION_COPIES * activations
+        budget = _CHUNK_FLOAT_BUDGET
+    return max(1, min(_MAX_CHUNK, budget // max(1, per_record)))
+
+
+def activation_floats(model: nn.Module, record: torch.Tensor) -> int:
+    """Floats of the outputs of ``model``'s innermost modules for one ``record`` (shape
+    (1, ...)): a record's activations, which a chunk holds beside what the engine reports."""
+    total = 0
+
+    def count(module: nn.Module, inputs: object, output: object) -> None:
+        nonlocal total
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        total += sum(o.numel() for o in outputs if isinstance(o, torch.Tensor))
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    hooks = [m.register_forward_hook(count) for m in leaves]
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()  # a counting pass must not move running statistics
+            model(record)
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    return total
 
 
 def _clipped_sum(
@@ -220,9 +260,12 @@ class DPSGDStepper:
                                  self.config.clip_norm)
             self.engine = make_engine(self.model, self.choice.mode)
         if self.chunk is None:
-            floats = None if requested is not None else self.engine.floats_per_record(
-                in_memory(x[:1]))
-            self.chunk = chunk_size(self.model, requested, floats)
+            floats = activations = None
+            if requested is None:
+                one = in_memory(x[:1])
+                floats = self.engine.floats_per_record(one)
+                activations = activation_floats(self.model, one)
+            self.chunk = chunk_size(self.model, requested, floats, activations or 0)
             logger.debug("DP-SGD with the %s engine (%s), chunks of %d",
                          engine_name(self.model, self.choice.mode) if self.choice else "?",
                          self.choice.reason if self.choice else "", self.chunk)

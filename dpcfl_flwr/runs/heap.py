@@ -1,0 +1,42 @@
+"""Freed heap memory handed back to the operating system after each of a deployed silo's
+messages.
+
+A silo's round takes memory it frees before it replies: the full-batch round (the
+per-sample gradients and activations of a chunk of up to 512 records) and the privacy
+accountant's compositions. glibc's ``malloc`` keeps freed memory for reuse rather than
+return it, so a silo process held its largest round's memory for the rest of its life: on
+the quick example, a silo's resident memory stayed ~150 MB above what it held between
+rounds, and 21 silos on one machine held 21 such peaks. ``malloc_trim(0)`` returns the free
+pages of every heap. It takes a few milliseconds, once per message, and is called only
+outside simulation (there one process serves every silo, one message after another).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(None)  # the C library this process already runs on
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+def give_back_freed_memory() -> bool:
+    """Return the free pages of the process' heaps to the system; whether any were
+    (False too where the C library cannot)."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+__all__ = ["give_back_freed_memory"]
