@@ -29,6 +29,7 @@ from .protocol import (
     BUDGET_EXCEEDED,
     METRICS,
     OWN_MODEL,
+    ROUND_REPEATED,
     SILO,
     SILO_FAILED,
     UPDATE,
@@ -39,9 +40,10 @@ from .protocol import (
     pack_state,
     reply,
 )
+from .runs.heap import give_back_freed_memory
 from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo.round import evaluate_round, train_round
-from .silo.silo import BudgetExceeded, Silo
+from .silo.silo import BudgetExceeded, RoundRepeated, Silo
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
         except BudgetExceeded as exc:
             logger.warning("%s", exc)
             return Message(Error(BUDGET_EXCEEDED, str(exc)), reply_to=message)
+        except RoundRepeated as exc:
+            logger.warning("%s", exc)
+            return Message(Error(ROUND_REPEATED, str(exc)), reply_to=message)
         except BadRequest as exc:
             logger.error("silo refuses a %s message: %s", message.metadata.message_type, exc)
             return Message(Error(BAD_REQUEST, str(exc)), reply_to=message)
@@ -118,8 +123,10 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
             if not running_in_simulation():
                 # a deployed silo answers for one partition, whose records it caches
                 # (silo/silo.py): the benchmark they were sliced from is dead weight until
-                # another run asks for other records
+                # another run asks for other records; and what the message's round freed
+                # goes back to the system (runs/heap.py)
                 release_cached_datasets()
+                give_back_freed_memory()
 
     wrapped.__name__ = handler.__name__
     return wrapped

@@ -4,7 +4,8 @@ Three kinds, one record layout each, Flower records only: ``query`` (reply ``sil
 ``train`` (``config`` with the round's settings, the run's whole DP schedule and the packed
 models; reply ``metrics`` with the packed ``update``) and ``evaluate`` (reply ``metrics``).
 Every field, the cluster codes (:data:`SELECT`, :data:`OWN`, the strategies' ``INITIAL``), the
-error codes (:data:`BUDGET_EXCEEDED`, :data:`SILO_FAILED`, :data:`BAD_REQUEST`) and the packed
+error codes (:data:`BUDGET_EXCEEDED`, :data:`SILO_FAILED`, :data:`BAD_REQUEST`,
+:data:`ROUND_REPEATED`) and the packed
 model format (:func:`pack`) are documented in docs/protocol.md; what a silo accepts is
 validated in :mod:`dpcfl_flwr.silo.requests`.
 """
@@ -40,6 +41,10 @@ SILO_FAILED = 4002
 #: Error code of a silo refusing a message with a missing or invalid field (named in the
 #: reason); nothing was computed or charged.
 BAD_REQUEST = 4003
+#: Error code of a silo asked again for a round of a run it already trained (or evaluated
+#: with private metrics) and charged: a run the server resumed after the round's first
+#: message had reached the silo. The silo takes part in the run's next rounds.
+ROUND_REPEATED = 4004
 
 
 def cluster_key(cluster: int) -> str:

@@ -35,6 +35,7 @@ from dpcfl_flwr.protocol import (
     BUDGET_EXCEEDED,
     CONFIG,
     METRICS,
+    ROUND_REPEATED,
     SELECT,
     SILO,
     SILO_FAILED,
@@ -179,16 +180,24 @@ def test_the_run_config_cannot_change_budget_ledger_split_or_noise(tmp_path,
 
 
 # --- the earlier attacks, which must keep holding ---------------------------------------------
-def test_extra_and_repeated_rounds_are_charged_until_the_budget_refuses(tmp_path,
-                                                                         server_task_identity):
+def test_a_repeated_round_is_refused_and_new_runs_are_charged_until_the_budget_refuses(
+        tmp_path, server_task_identity):
     attacker = Attacker(tmp_path)
     assert not attacker.train(1, cluster=-2).has_error()
-    replies = [attacker.train(2, cluster=0) for _ in range(60)]  # round 2, again and again
+    assert not attacker.train(2).has_error()
+    # Round 2 of the same run again and again (a resumed run asks so once): refused, free.
+    repeats = [attacker.train(2) for _ in range(5)]
+    for reply in repeats:
+        _refused(reply, ROUND_REPEATED, "already ran and charged train round 2")
+    assert len(attacker.ledger().entries) == 2
+    # Round 2 of ever new runs (a new run key each time): each is a run the silo plans for
+    # what is left, and charges, until its budget refuses.
+    replies = [attacker.train(2, **{"run-key": 1000 + i}) for i in range(60)]
     refused = [r for r in replies if r.has_error()]
-    assert refused, "60 repeats of a round never ran out of budget"
-    _refused(refused[0], BUDGET_EXCEEDED, "refuses round 2")
+    assert refused, "60 new runs never ran out of budget"
+    _refused(refused[0], BUDGET_EXCEEDED, "")
     answered = len(replies) - len(refused)
-    assert len(attacker.ledger().entries) == 1 + answered  # each answered repeat was charged
+    assert len(attacker.ledger().entries) == 2 + answered  # each answered run was charged
     assert all(r.has_error() for r in replies[answered:])  # once refused, always refused
     attacker.assert_within_budget()
 
@@ -268,7 +277,8 @@ def test_bad_models_and_a_bad_evaluate_are_refused(tmp_path,
 # --- item 4: metrics are not a free query channel ---------------------------------------------
 def test_private_evaluation_is_noised_charged_and_bounded(tmp_path, server_task_identity):
     attacker = Attacker(tmp_path)
-    replies = [attacker.evaluate() for _ in range(100)]
+    # Each query its own round (the same round twice is refused at no cost: below).
+    replies = [attacker.evaluate(server_round) for server_round in range(1, 101)]
     answered = [r for r in replies if not r.has_error()]
     accuracies = {float(r.content.metric_records[METRICS]["test-accuracy"]) for r in answered}
     assert len(accuracies) == len(answered) > 1  # fresh noise every time
@@ -277,6 +287,8 @@ def test_private_evaluation_is_noised_charged_and_bounded(tmp_path, server_task_
     entries = attacker.ledger().entries
     assert len(entries) == len(answered)
     assert all((e.noise_multiplier, e.sample_rate, e.steps) == (10.0, 1.0, 1) for e in entries)
+    _refused(attacker.evaluate(1), ROUND_REPEATED, "already ran and charged evaluate round 1")
+    assert len(attacker.ledger().entries) == len(answered)
     attacker.assert_within_budget()
 
 
@@ -301,8 +313,8 @@ def test_private_metrics_reserve_budget_for_the_announced_evaluations(tmp_path,
         cluster = SELECT if server_round in (2, 3) else 0
         reply = private.train(server_round, cluster=cluster, candidates=2, evaluations=6)
         assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    for _ in range(6):
-        assert not private.evaluate().has_error()
+    for server_round in range(ROUNDS - 5, ROUNDS + 1):
+        assert not private.evaluate(server_round).has_error()
     private.assert_within_budget()
 
 
@@ -323,7 +335,7 @@ def test_the_evaluation_noise_has_the_charged_scale():
 def test_test_noise_seeds_differ_for_every_charge(tmp_path, server_task_identity):
     attacker = Attacker(tmp_path, _node_config(tmp_path, **{"noise-seed": 5}))
     attacker.train(1, cluster=-2)
-    first, again = attacker.train(2), attacker.train(2)
+    first, again = attacker.train(2), attacker.train(2, **{"run-key": 9})  # another run
     assert not np.array_equal(_update(first), _update(again))
     # ...and the seed still makes a run reproducible: the same history gives the same draws
     replay = Attacker(tmp_path / "replay", _node_config(tmp_path / "replay",
@@ -420,7 +432,7 @@ def _canary_replies(tmp_path: Path, path: str, fire: bool) -> list[Message]:
     packed = pack_state(poisoned.to_torch_state_dict())
     if path == "evaluate":
         attacker.model = poisoned
-        return [attacker.evaluate() for _ in range(3)]
+        return [attacker.evaluate(server_round) for server_round in (3, 4, 5)]
     if path == "dprivacy":
         attacker.model = poisoned
         return [attacker.train(1, cluster=-2, privatiser="dprivacy")]

@@ -18,6 +18,7 @@ from dpcfl_flwr.protocol import (
     BUDGET_EXCEEDED,
     CONFIG,
     METRICS,
+    ROUND_REPEATED,
     SELECT,
     SILO,
     UPDATE,
@@ -202,6 +203,44 @@ def test_client_app_trains_charges_selects_and_refuses(server_task_identity, sim
     assert "refuses round 3" in refused.error.reason
     after = PrivacyLedger.load(experiment.ledger_directory() / "silo-1.json")
     assert len(after.entries) == len(ledger.entries)  # nothing charged for a refused round
+
+
+def test_a_resumed_run_does_not_train_a_round_again_and_goes_on_with_the_next(
+        server_task_identity, simulation, experiment):
+    """A server resumed after a round's message reached the silo asks for that round again
+    (a new Flower run, the same run key): under the whole-budget default the repeat would
+    not fit, and refusing it as over budget stopped the silo for the rest of the run."""
+    model = initial_arrays(experiment)
+    path = experiment.ledger_directory() / "silo-1.json"
+
+    def train(context, server_round, run_key=77):
+        content = _train_content(experiment, server_round, 0 if server_round > 1 else -2,
+                                 [model])
+        content[CONFIG]["run-key"] = run_key
+        return client_app(_message(content, "train", 501), context)
+
+    first_run = _context(experiment)
+    assert not train(first_run, 1).has_error() and not train(first_run, 2).has_error()
+    charged = PrivacyLedger.load(path).entries
+    resumed = _context(experiment)  # the resumed run: a new Flower run, a new context
+    resumed.run_id = 12
+    again = train(resumed, 2)
+    assert again.has_error() and again.error.code == ROUND_REPEATED
+    assert "already ran and charged train round 2" in again.error.reason
+    assert PrivacyLedger.load(path).entries == charged  # nothing released, nothing charged
+    assert not train(resumed, 3).has_error()  # its next round, as planned
+    assert [e.round for e in PrivacyLedger.load(path).entries] == [1, 2, 3]
+    other_run = _context(experiment)  # another run (another key) has its own round 2
+    assert not train(other_run, 2, run_key=78).has_error()
+    # Evaluation with private metrics is charged once per round of a run, too.
+    evaluate = _message(RecordDict({ARRAYS: model, CONFIG: ConfigRecord(
+        {"server-round": 3, "cluster": 0})}), "evaluate", 501)
+    node = {"metrics": "private"}
+    for context in (first_run, resumed):
+        context.node_config = {**context.node_config, **node}
+    assert not client_app(evaluate, resumed).has_error()
+    repeated = client_app(_message(evaluate.content, "evaluate", 501), resumed)
+    assert repeated.has_error() and repeated.error.code == ROUND_REPEATED
 
 
 def test_client_app_evaluates_on_its_test_split(server_task_identity, simulation, experiment):

@@ -46,7 +46,10 @@ def train_round(silo: Silo, request: TrainRequest, models: Mapping[str, WireMode
               if ANCHOR in models and request.prox_variant == "correct" else None)
     work = RoundWork(schedule, batch, candidates, anchor, selecting)
     with silo.charging():  # check, train and charge under the ledger's lock
-        return privatiser.run(silo, request, work)
+        silo.refuse_repeat(request.run_key, "train", request.server_round)
+        outcome = privatiser.run(silo, request, work)
+        silo.note_charged(request.run_key, "train", request.server_round)
+        return outcome
 
 
 def evaluate_round(silo: Silo, request: EvaluateRequest, models: Mapping[str, WireModel],
@@ -57,8 +60,13 @@ def evaluate_round(silo: Silo, request: EvaluateRequest, models: Mapping[str, Wi
     final evaluation; ``run_name``: what the silo names the run's files by."""
     state = start_model(models, silo)
     with silo.charging():  # a private evaluation is charged like a round
-        silo.check(list(silo.evaluation_cost(request.server_round)), request.server_round)
+        cost = silo.evaluation_cost(request.server_round)
+        if cost:
+            silo.refuse_repeat(run_name, "evaluate", request.server_round)
+        silo.check(list(cost), request.server_round)
         metrics, exact = silo.test(state, request.server_round)
+        if cost:
+            silo.note_charged(run_name, "evaluate", request.server_round)
     # the silo's own copy of the model it would use; nothing of it leaves the silo
     keep_evaluated_model(silo, state, evaluated_metadata(
         silo, request.server_round, request.cluster, planned_rounds, metrics, exact),

@@ -66,6 +66,12 @@ class BudgetExceeded(RuntimeError):
     """The silo refuses a round: running it would spend more than its budget."""
 
 
+class RoundRepeated(RuntimeError):
+    """The silo refuses a round of a run that it already ran and charged (the server resumed
+    the run after the round's message had reached the silo): a run's round releases the
+    silo's records once. Its next rounds are still planned for."""
+
+
 @dataclass(frozen=True)
 class SiloPlan:
     """The silo's commitment for one run: z and eps per selection, and the accountant
@@ -233,6 +239,28 @@ class Silo:
 
     def spent(self) -> float:
         return self.ledger.spent(self.budget)
+
+    def refuse_repeat(self, run_key: int, kind: str, round_number: int) -> None:
+        """RoundRepeated if this run (``run_key``; 0: this Flower run) already had its round
+        ``round_number`` of ``kind`` ("train", "evaluate") charged. Under the whole-budget
+        default a repeat would not fit, and charging it would only refuse the silo's later
+        rounds, which its plan still covers."""
+        done = self.ledger.meta.get("rounds", {}).get(str(run_key or self.run_id), {})
+        if round_number in done.get(kind, ()):
+            raise RoundRepeated(
+                f"silo {self.silo.partition_id} already ran and charged {kind} round "
+                f"{round_number} of this run (the server resumed the run after that round "
+                "reached the silo): it does not release its records for that round again, "
+                "and takes part from the next round")
+
+    def note_charged(self, run_key: int, kind: str, round_number: int) -> None:
+        """Record that the run's round ``round_number`` of ``kind`` was charged (saved with
+        the charge; the rounds of at most :data:`MAX_PLANS` runs are kept)."""
+        rounds = self.ledger.meta.setdefault("rounds", {})
+        done = rounds.setdefault(str(run_key or self.run_id), {})
+        done[kind] = sorted({*done.get(kind, ()), round_number})
+        for old in list(rounds)[:max(0, len(rounds) - MAX_PLANS)]:
+            del rounds[old]
 
     # --- plan -------------------------------------------------------------------------------
     def plan(self, schedule: Schedule, run_key: int = 0) -> SiloPlan:

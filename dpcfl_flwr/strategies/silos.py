@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 
 from ..config.settings import ExperimentConfig
 from ..methods.base import SiloInfo
-from ..protocol import BUDGET_EXCEEDED, CONFIG, SILO
+from ..protocol import BUDGET_EXCEEDED, CONFIG, ROUND_REPEATED, SILO
 from .exchange import exchange, pause
 from .replies import reply_numbers
 
@@ -242,6 +242,9 @@ class SiloRoster:
             silo.refused_rounds.append(server_round)
             refused.append(silo.partition)
             logger.warning("round %d: silo %d refused: %s", server_round, silo.partition, reason)
+        elif message.error.code == ROUND_REPEATED:  # a resumed run: dropped for this round
+            silo.dropped_rounds.append(server_round)
+            logger.warning("round %d: silo %d skipped: %s", server_round, silo.partition, reason)
         else:
             silo.dropped_rounds.append(server_round)
             logger.error("round %d: silo %d failed (code %d): %s", server_round, silo.partition,
