@@ -185,9 +185,14 @@ def spends(ledgers: dict[str, PrivacyLedger], silos: int) -> dict[str, tuple[flo
 
 
 def rounds_counted_twice(ledger: PrivacyLedger) -> list[int]:
-    """Rounds for which the ledger holds two entries of one kind: a round charged twice."""
-    counts = Counter((entry.round, entry.kind) for entry in ledger.entries
-                     if entry.round is not None)
+    """Rounds for which the ledger holds the same mechanism twice: a round charged twice.
+    (A round's training and its private evaluation are two mechanisms: both Gaussian, with
+    their own noise, rate and steps.)"""
+    def mechanism(entry: object) -> tuple:
+        return tuple(getattr(entry, name, None) for name in
+                     ("round", "kind", "noise_multiplier", "sample_rate", "steps", "epsilon"))
+
+    counts = Counter(mechanism(entry) for entry in ledger.entries if entry.round is not None)
     return sorted({key[0] for key, count in counts.items() if count > 1})  # type: ignore[misc]
 
 
