@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from dpcfl_flwr.dpsgd.training import DPSGDConfig, configure_threads, evaluate, train_dp
+from dpcfl_flwr.dpsgd.per_sample import make_engine
+from dpcfl_flwr.dpsgd.training import (
+    DPSGDConfig,
+    activation_floats,
+    chunk_size,
+    configure_threads,
+    evaluate,
+    train_dp,
+)
 from dpcfl_flwr.models import build_model
+from dpcfl_flwr.models.spec import ModelSpec, build
 
 
 def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +149,8 @@ _PEAK_SCRIPT = textwrap.dedent("""
     n = int(sys.argv[1])
     x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
     model = build_model("cnn", seed=0)
-    config = DPSGDConfig(1.0, 1.0, 0.01, "full", physical_batch_size=64)
+    physical = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    config = DPSGDConfig(1.0, 1.0, 0.01, "full", physical_batch_size=physical or None)
     train_dp(model, x[:64], y[:64], config, seed=0)  # warm up allocator and kernels
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     train_dp(model, x, y, config, seed=0)
@@ -149,9 +159,11 @@ _PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _peak_growth_kib(n: int) -> int:
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n)], check=True,
-                         capture_output=True, text=True, timeout=300).stdout
+def _peak_growth_kib(n: int, physical: int = 64) -> int:
+    """Peak resident growth of a full-batch round on ``n`` records in chunks of ``physical``
+    (0: the default chunk), in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n), str(physical)],
+                         check=True, capture_output=True, text=True, timeout=300).stdout
     return json.loads(out.strip().splitlines()[-1])["growth_kib"]
 
 
@@ -161,6 +173,28 @@ def test_full_batch_round_memory_does_not_grow_with_n():
     assert growth[8_000] - growth[1_000] < 16 * 1024, growth  # < 16 MiB apart
     per_sample_grads_if_materialised = 8_000 * 28_938 * 4 / 1024
     assert np.max(list(growth.values())) < per_sample_grads_if_materialised / 4
+
+
+def test_the_default_chunk_counts_the_activations_of_a_record():
+    """The paper's CNN: per record, the outputs of its layers (by hand from the architecture:
+    conv 16x28x28, ReLU, pool 16x14x14, conv 32x14x14, ReLU, pool 32x7x7, linear 10) and
+    what the layerwise engine holds. Counted, a full-batch round of 375 records (the quick
+    example's) runs in two chunks, and its peak memory is below that of one chunk of them all
+    (512 records: the default before activations were counted)."""
+    model = build_model("cnn", seed=0)
+    record = torch.randn(1, 1, 28, 28)
+    by_hand = 2 * 16 * 28 * 28 + 16 * 14 * 14 + 2 * 32 * 14 * 14 + 32 * 7 * 7 + 10
+    assert activation_floats(model, record) == by_hand
+    engine = make_engine(model, "layerwise")
+    chunk = chunk_size(model, None, engine.floats_per_record(record), by_hand)
+    assert chunk == (32 * 2**20) // (engine.floats_per_record(record) + 3 * by_hand)
+    assert 375 / 2 <= chunk < 375
+    mlp = build(ModelSpec("mlp", 2, (30,)), seed=0)
+    row = torch.randn(1, 30)
+    assert chunk_size(mlp, None, make_engine(mlp, "layerwise").floats_per_record(row),
+                      activation_floats(mlp, row)) == 512  # a small model keeps large chunks
+    default, whole = _peak_growth_kib(375, 0), _peak_growth_kib(375, 512)
+    assert default < 0.8 * whole, (default, whole)
 
 
 def test_a_poisson_step_that_draws_no_record_is_noise_alone():
