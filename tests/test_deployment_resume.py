@@ -93,5 +93,12 @@ def test_a_run_resumes_after_its_superlink_and_serverapp_died(tmp_path, who):
                                     f"silo-{client['partition']:02d}.json")
         assert ledger.spent(budget) <= 10.0 + 1e-9
         assert len(ledger.meta["runs"]) == 1  # one plan, kept by the run key
+        # A round the silo had been charged for before the server died is skipped in the
+        # resumed run, never charged again, and the silo trains the rounds after it.
+        trained = [e.round for e in ledger.entries if e.kind == "gaussian" and e.round
+                   and e.noise_multiplier == ledger.entries[0].noise_multiplier]
+        assert sorted(trained) == sorted(set(trained)), trained
+        assert not client["exhausted"] and not client["refused_rounds"], client
+        assert ROUNDS not in client["dropped_rounds"]
     print(f"\nresumed after round {died_after}; final mean accuracy "
           f"{results['summary']['mean_accuracy']:.3f}")
