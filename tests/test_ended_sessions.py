@@ -113,3 +113,16 @@ def test_a_message_answered_before_the_restart_is_not_failed(link):
     assert len(ended) == 0
     (got,) = grid.pull_messages(ids)
     assert not got.has_error() and got.content["m"]["y"] == 2.0
+
+
+def test_expired_messages_are_forgotten(link):
+    state, grid, nodes, ended = link
+    ids = _send(grid, nodes[:1])
+    (instruction,) = state.get_message_ins(nodes[0], None)
+    assert state.deactivate_node(nodes[0]) and state.activate_node(nodes[0], HEARTBEAT)
+    assert len(ended) == 1
+    expiry = instruction.metadata.created_at + instruction.metadata.ttl
+    ended.note([], now=expiry - 1)
+    assert len(ended) == 1
+    ended.note([], now=expiry + 1)  # the ServerApp stopped waiting: nothing kept for it
+    assert len(ended) == 0 and list(grid.pull_messages(ids)) == []

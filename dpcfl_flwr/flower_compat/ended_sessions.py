@@ -30,6 +30,7 @@ messages and reply once it is back.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,11 +50,18 @@ class EndedSessions:
         self._lock = threading.Lock()
         self._lost: dict[str, Any] = {}  # message id -> the message (flwr Message)
 
-    def note(self, messages: Iterable[Any]) -> None:
-        """Record ``messages`` (delivered, unanswered, their session ended)."""
+    def note(self, messages: Iterable[Any], now: float | None = None) -> None:
+        """Record ``messages`` (delivered, unanswered, their session ended), and forget the
+        recorded ones whose time to live has run out (the ServerApp no longer waits for
+        them, and Flower answers an expired message itself): what is kept stays bounded by
+        the messages in flight."""
+        current = time.time() if now is None else now
         with self._lock:
             for message in messages:
                 self._lost[message.metadata.message_id] = message
+            for message_id, message in list(self._lost.items()):
+                if message.metadata.created_at + message.metadata.ttl < current:
+                    del self._lost[message_id]
 
     def take(self, message_ids: Iterable[str]) -> list[Any]:
         """The recorded messages among ``message_ids``, forgotten from here on."""
