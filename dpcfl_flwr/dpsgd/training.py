@@ -47,6 +47,10 @@ _CHUNK_FLOAT_BUDGET = 32 * 1024 * 1024
 #: what autograd keeps for the backward pass, and their gradients.
 _ACTIVATION_COPIES = 3
 _MAX_CHUNK = 512
+#: Records per forward pass of an evaluation. The quick example's test split (1,667 records,
+#: the paper's CNN) took 0.73x the time in batches of 256 as in batches of 1,024, and its
+#: peak memory was 33 MiB above the model's instead of 98 (one thread, 2026-11-27).
+EVALUATION_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -392,7 +396,7 @@ def bounded_losses(losses: torch.Tensor, loss_bound: float) -> torch.Tensor:
 @torch.inference_mode()
 def evaluation_sums(
     model: nn.Module, x: Inputs, y: torch.Tensor, loss_bound: float = math.inf,
-    batch_size: int = 1024,
+    batch_size: int = EVALUATION_BATCH,
 ) -> tuple[float, int]:
     """Sum of per-record cross-entropy (nats, each in [0, ``loss_bound``], a non-finite one
     counted as the bound: :func:`bounded_losses`) and the number of correct predictions of
@@ -411,7 +415,7 @@ def evaluation_sums(
 
 
 def evaluate(
-    model: nn.Module, x: Inputs, y: torch.Tensor, batch_size: int = 1024
+    model: nn.Module, x: Inputs, y: torch.Tensor, batch_size: int = EVALUATION_BATCH
 ) -> tuple[float, float]:
     """Mean cross-entropy and accuracy (a fraction in [0, 1]) of ``model`` on (x, y)."""
     loss_sum, correct = evaluation_sums(model, x, y, batch_size=batch_size)
