@@ -82,16 +82,19 @@ def test_dp_sgd_on_a_model_without_a_layerwise_rule_says_what_it_measured():
 
 def test_the_stepper_sizes_chunks_from_the_layerwise_engine_s_own_memory():
     """ResNet-18-GN's 11.2M parameters would allow chunks of 12 records if every per-sample
-    gradient were materialised; the layerwise engine holds ~0.7M floats per record, so a
-    batch of 32 is one chunk (three chunks of small kernels ran ~1.5x slower)."""
-    model = build_model("resnet18", seed=0)
-    stepper = DPSGDStepper(model, DPSGDConfig(1.0, 1.0, 0.01, 32), 32.0)
-    try:
-        x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
-        _, chunk = stepper._setup(x, y)
-        assert chunk >= 128
-    finally:
-        stepper.close()
+    gradient were materialised; the layerwise engine holds ~0.7M floats per record and the
+    activations ~0.5M more, so the full-batch round runs in chunks of 28 records (~0.13 GB
+    each) while a Poisson batch of ~32 stays one chunk (three chunks of small kernels ran
+    ~1.5x slower)."""
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
+    for batch, expected in ((32, 64), ("full", 28)):
+        stepper = DPSGDStepper(build_model("resnet18", seed=0),
+                               DPSGDConfig(1.0, 1.0, 0.01, batch), 32.0)
+        try:
+            _, chunk = stepper._setup(x, y)
+            assert chunk == expected, batch
+        finally:
+            stepper.close()
 
 
 def test_the_memory_probe_leaves_a_frozen_batchnorm_s_statistics_alone():

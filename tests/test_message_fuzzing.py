@@ -3,8 +3,9 @@ query messages whose every field is valid, junk, missing or out of range, with m
 right, truncated, NaN, of another layout, too many or absent, in short sequences to one
 deployed silo's real ClientApp handlers.
 
-Every message must end in one of two ways: a documented refusal (BAD_REQUEST or
-BUDGET_EXCEEDED) that leaves the ledger as it was, or a reply whose ledger charge is what an
+Every message must end in one of two ways: a documented refusal (BAD_REQUEST,
+BUDGET_EXCEEDED, or ROUND_REPEATED for a round of a run answered before in the sequence) that
+leaves the ledger as it was, or a reply whose ledger charge is what an
 independent recomputation from the message's fields says (the DP-SGD steps and rate of the
 round, a selection when asked, one Gaussian release per private evaluation), with the total
 spend within the silo's budget by Google's dp-accounting, and bounded CPU time.
@@ -25,6 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dpcfl_flwr.client_app import _run_name
 from dpcfl_flwr.privacy.ledger import GaussianSteps
 from dpcfl_flwr.protocol import (
     ANCHOR,
@@ -33,6 +35,7 @@ from dpcfl_flwr.protocol import (
     BUDGET_EXCEEDED,
     CONFIG,
     METRICS,
+    ROUND_REPEATED,
     SELECT,
     SILO,
     UPDATE,
@@ -167,7 +170,8 @@ def _check(attacker: Attacker, kind: str, values: dict[str, Any], reply: Any,
     after = attacker.ledger().entries if attacker.ledger_path.exists() else []
     event(f"{kind}: " + (f"refused {reply.error.code}" if reply.has_error() else "answered"))
     if reply.has_error():
-        assert reply.error.code in (BAD_REQUEST, BUDGET_EXCEEDED), reply.error.reason
+        assert reply.error.code in (BAD_REQUEST, BUDGET_EXCEEDED, ROUND_REPEATED), \
+            reply.error.reason
         assert "\n" not in reply.error.reason  # one line
         assert after == before
         return
@@ -203,9 +207,25 @@ def test_every_message_is_refused_or_charged_as_recomputed(sequence, server_task
     with tempfile.TemporaryDirectory() as folder:
         node = _node_config(Path(folder), **{"samples-per-client": N, "test-samples": 20})
         attacker = Attacker(Path(folder), node)
+        charged: set[tuple[str, int, Any]] = set()  # (kind, run key, round) answered
         for kind, values, model_kind, candidates in sequence:
             before = attacker.ledger().entries if attacker.ledger_path.exists() else []
+            run = _run_of(attacker, kind, values)
             cpu = time.thread_time()
             reply = _send(attacker, kind, values, model_kind, candidates)
             assert time.thread_time() - cpu < CPU_LIMIT
             _check(attacker, kind, values, reply, before)
+            round_of_run = (kind, run, values.get("server-round"))
+            if reply.has_error() and reply.error.code == ROUND_REPEATED:
+                assert round_of_run in charged, reply.error.reason  # only what was charged
+            elif not reply.has_error() and kind != "query":
+                charged.add(round_of_run)
+
+
+def _run_of(attacker: Attacker, kind: str, values: dict[str, Any]) -> int:
+    """The run a silo counts a message's round in: a train message's run key (0: the Flower
+    run's id), an evaluation's the run of the silo's first answered train message."""
+    if kind == "evaluate":
+        return _run_name(attacker.context)
+    key = values.get("run-key")
+    return key if isinstance(key, int) and key > 0 else attacker.context.run_id

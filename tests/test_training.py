@@ -187,8 +187,8 @@ def test_the_default_chunk_counts_the_activations_of_a_record():
     """The paper's CNN: per record, the outputs of its layers (by hand from the architecture:
     conv 16x28x28, ReLU, pool 16x14x14, conv 32x14x14, ReLU, pool 32x7x7, linear 10) and
     what the layerwise engine holds. Counted, a full-batch round of 375 records (the quick
-    example's) runs in two chunks, and its peak memory is below that of one chunk of them all
-    (512 records: the default before activations were counted)."""
+    example's) runs in two chunks, and a round of 1,000 records peaks far below one chunk of
+    them all (~0.11 GB against ~0.38 GB here)."""
     model = build_model("cnn", seed=0)
     record = torch.randn(1, 1, 28, 28)
     by_hand = 2 * 16 * 28 * 28 + 16 * 14 * 14 + 2 * 32 * 14 * 14 + 32 * 7 * 7 + 10
@@ -201,8 +201,8 @@ def test_the_default_chunk_counts_the_activations_of_a_record():
     row = torch.randn(1, 30)
     assert chunk_size(mlp, None, make_engine(mlp, "layerwise").floats_per_record(row),
                       activation_floats(mlp, row)) == 512  # a small model keeps large chunks
-    default, whole = _peak_growth_kib(375, 0), _peak_growth_kib(375, 512)
-    assert default < 0.8 * whole, (default, whole)
+    default, whole = _peak_growth_kib(1_000, 0), _peak_growth_kib(1_000, 1_000)
+    assert default < 0.5 * whole, (default, whole)
 
 
 def test_a_poisson_step_that_draws_no_record_is_noise_alone():

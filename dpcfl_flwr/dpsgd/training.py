@@ -270,6 +270,12 @@ class DPSGDStepper:
                 floats = self.engine.floats_per_record(one)
                 activations = activation_floats(self.model, one)
             self.chunk = chunk_size(self.model, requested, floats, activations or 0)
+            if requested is None and isinstance(self.config.batch_size, int):
+                # A Poisson batch stays one chunk (it tops twice its mean with negligible
+                # probability): splitting ResNet-18-GN's batches of ~32 into chunks of 28
+                # and a few records would run a second, nearly empty pass. The memory rule
+                # is for the full-batch round.
+                self.chunk = max(self.chunk, min(_MAX_CHUNK, 2 * self.config.batch_size))
             logger.debug("DP-SGD with the %s engine (%s), chunks of %d",
                          engine_name(self.model, self.choice.mode) if self.choice else "?",
                          self.choice.reason if self.choice else "", self.chunk)
