@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dpcfl_flwr.dpsgd.per_sample import make_engine
+from dpcfl_flwr.dpsgd.per_sample import activation_floats, make_engine
 from dpcfl_flwr.dpsgd.training import (
     DPSGDConfig,
-    activation_floats,
     chunk_size,
     configure_threads,
     evaluate,

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Protocol, TypeGuard
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -207,17 +207,9 @@ class LayerwiseEngine:
                  ) -> None:
             shapes[module] = (inputs[0].shape, output.shape)
 
-        handles = [layer.register_forward_hook(note) for layer in self.layers]
-        modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()  # a frozen BatchNorm must not count this record in its statistics
         try:
-            with torch.no_grad():
-                self.model(record)
+            probe_forward(self.model, record, self.layers, note)
         finally:
-            for module, mode in modes:
-                module.train(mode)
-            for handle in handles:
-                handle.remove()
             self._records = []
         return max(1, sum(_rule_floats(m, *shapes[m]) for m in self.layers if m in shapes))
 
@@ -229,6 +221,40 @@ class LayerwiseEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def probe_forward(model: nn.Module, record: torch.Tensor, modules: Sequence[nn.Module],
+                  hook: Callable[[nn.Module, tuple[torch.Tensor, ...], Any], None]) -> None:
+    """One forward pass of ``record`` without gradients and in eval mode, ``hook`` on each of
+    ``modules``: a look at the layers' shapes that changes nothing. Every module's own mode is
+    restored after (a frozen BatchNorm stays in eval), and a BatchNorm in training mode does
+    not count this record in its statistics."""
+    handles = [module.register_forward_hook(hook) for module in modules]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(record)
+    finally:
+        for module, mode in modes:
+            module.train(mode)
+        for handle in handles:
+            handle.remove()
+
+
+def activation_floats(model: nn.Module, record: torch.Tensor) -> int:
+    """Floats of the outputs of ``model``'s innermost modules for one ``record`` (shape
+    (1, ...)): a record's activations, which a chunk holds beside what an engine reports."""
+    total = 0
+
+    def count(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: object) -> None:
+        nonlocal total
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        total += sum(o.numel() for o in outputs if isinstance(o, torch.Tensor))
+
+    probe_forward(model, record,
+                  [m for m in model.modules() if next(m.children(), None) is None], count)
+    return total
 
 
 def _rule_floats(module: nn.Module, inputs: torch.Size, output: torch.Size) -> int:

@@ -30,7 +30,7 @@ from ..data.records import Inputs, in_memory
 from ..privacy.ledger import GaussianSteps
 from ..privacy.schedule import FULL_BATCH
 from .engine_choice import EngineChoice, by_rule, choose
-from .per_sample import ClippedSumEngine, engine_name, make_engine
+from .per_sample import ClippedSumEngine, activation_floats, engine_name, make_engine
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,10 @@ def secure_generator(seed: int | None = None) -> torch.Generator:
 def chunk_size(model: nn.Module, requested: int | None,
                floats_per_record: int | None = None, activations: int = 0) -> int:
     """Physical batch: the requested one, or the largest whose per-record floats fit a
-    budget. With ``floats_per_record`` (what the engine holds per record) and
-    ``activations`` (:func:`activation_floats`): those floats plus the activations'
-    copies, in :data:`_CHUNK_FLOAT_BUDGET`. Without: one gradient per record (what
-    materialising every per-sample gradient holds) in :data:`_PER_SAMPLE_FLOAT_BUDGET`."""
+    budget. With ``floats_per_record`` (what the engine holds per record) and ``activations``
+    (:func:`.per_sample.activation_floats`): those floats plus the activations' copies, in
+    :data:`_CHUNK_FLOAT_BUDGET`. Without: one gradient per record (what materialising every
+    per-sample gradient holds) in :data:`_PER_SAMPLE_FLOAT_BUDGET`."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"physical batch size must be >= 1, got {requested}")
@@ -123,30 +123,6 @@ def chunk_size(model: nn.Module, requested: int | None,
         per_record = floats_per_record + _ACTIVATION_COPIES * activations
         budget = _CHUNK_FLOAT_BUDGET
     return max(1, min(_MAX_CHUNK, budget // max(1, per_record)))
-
-
-def activation_floats(model: nn.Module, record: torch.Tensor) -> int:
-    """Floats of the outputs of ``model``'s innermost modules for one ``record`` (shape
-    (1, ...)): a record's activations, which a chunk holds beside what the engine reports."""
-    total = 0
-
-    def count(module: nn.Module, inputs: object, output: object) -> None:
-        nonlocal total
-        outputs = output if isinstance(output, tuple | list) else (output,)
-        total += sum(o.numel() for o in outputs if isinstance(o, torch.Tensor))
-
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    hooks = [m.register_forward_hook(count) for m in leaves]
-    training = model.training
-    try:
-        with torch.no_grad():
-            model.eval()  # a counting pass must not move running statistics
-            model(record)
-    finally:
-        model.train(training)
-        for hook in hooks:
-            hook.remove()
-    return total
 
 
 def _clipped_sum(

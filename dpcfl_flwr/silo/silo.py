@@ -240,12 +240,17 @@ class Silo:
     def spent(self) -> float:
         return self.ledger.spent(self.budget)
 
+    def _run_name(self, run_key: int) -> str:
+        """What the ledger files a run under: the server's run key (the same when it resumes
+        the run in a new Flower run), else this Flower run's id."""
+        return str(run_key or self.run_id)
+
     def refuse_repeat(self, run_key: int, kind: str, round_number: int) -> None:
         """RoundRepeated if this run (``run_key``; 0: this Flower run) already had its round
         ``round_number`` of ``kind`` ("train", "evaluate") charged. Under the whole-budget
         default a repeat would not fit, and charging it would only refuse the silo's later
         rounds, which its plan still covers."""
-        done = self.ledger.meta.get("rounds", {}).get(str(run_key or self.run_id), {})
+        done = self.ledger.meta.get("rounds", {}).get(self._run_name(run_key), {})
         if round_number in done.get(kind, ()):
             raise RoundRepeated(
                 f"silo {self.silo.partition_id} already ran and charged {kind} round "
@@ -257,7 +262,7 @@ class Silo:
         """Record that the run's round ``round_number`` of ``kind`` was charged (saved with
         the charge; the rounds of at most :data:`MAX_PLANS` runs are kept)."""
         rounds = self.ledger.meta.setdefault("rounds", {})
-        done = rounds.setdefault(str(run_key or self.run_id), {})
+        done = rounds.setdefault(self._run_name(run_key), {})
         done[kind] = sorted({*done.get(kind, ()), round_number})
         for old in list(rounds)[:max(0, len(rounds) - MAX_PLANS)]:
             del rounds[old]
@@ -271,7 +276,7 @@ class Silo:
         ``run_key``: what the server names the run by, the same when it resumes the run in a
         new Flower run (0: this Flower run's id), so a resumed silo keeps its z. A key only
         picks which stored plan applies; what the silo may spend is its ledger's to say."""
-        key = str(run_key or self.run_id)
+        key = self._run_name(run_key)
         stored = self.ledger.meta.get("runs", {}).get(key)
         if stored is not None:
             if stored["schedule_key"] != schedule.key():
