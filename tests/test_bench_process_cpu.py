@@ -43,5 +43,7 @@ def test_roles_follow_the_command_line():
     assert role_of("/venv/bin/flower-superlink --fleet-api-address x") == "SuperLink"
     assert role_of("/venv/bin/python /venv/bin/dpcfl client clients/silo-00.toml") == (
         "dpcfl supervisors")
+    assert role_of('/venv/bin/python -m dpcfl_flwr.deploy.silo_supervisor {"command": []}') == (
+        "dpcfl supervisors")  # what `dpcfl client` becomes once its checks are done
     assert role_of("ray::ClientAppActor.run") == "Ray workers"
     assert role_of("sleep 5") == "other"

@@ -221,10 +221,11 @@ def test_ctrl_c_ends_a_connected_silo_within_seconds(tmp_path, superlink):
     print(f"\nCtrl-C ended the connected silo in {seconds:.1f} s")
 
 
-#: What a silo's supervisor may hold resident (MiB): about 77 here; about 130 when it measured
-#: its ledger with the accountants (dp-accounting, SciPy) in its own process, about 500 when it
-#: imported torch and checked the silo's records there.
-SUPERVISOR_RSS_MIB = 110
+#: What a silo's supervisor may hold resident (MiB): about 23 here, once it has replaced itself
+#: with the lean supervisor (deploy/silo_supervisor.py); about 77 while it kept the settings,
+#: numpy and the console its checks loaded, about 500 when it imported torch and checked the
+#: silo's records itself.
+SUPERVISOR_RSS_MIB = 45
 
 
 def _holds_torch(pid: int) -> bool:

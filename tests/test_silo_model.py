@@ -159,7 +159,8 @@ def test_after_a_simulation_every_silo_holds_its_final_model(tmp_path):
 
 def test_dpcfl_client_names_the_file_and_prints_what_was_written(
         server_task_identity, simulation, experiment, capfd):
-    from dpcfl_flwr.deploy.silo_command import _model_pattern, _print_models
+    from dpcfl_flwr.deploy.silo_command import _model_pattern
+    from dpcfl_flwr.deploy.silo_supervisor import print_models
 
     ledger = experiment.ledger_directory() / "silo-1.json"
     assert _model_pattern(str(ledger)) == str(ledger.parent / "silo-1.run-<run id>.model.pt")
@@ -167,7 +168,7 @@ def test_dpcfl_client_names_the_file_and_prints_what_was_written(
     _train(context, experiment)
     _evaluate(context, ROUNDS)
     capfd.readouterr()
-    _print_models(str(ledger), since=0.0)
+    print_models(str(ledger), since=0.0)
     shown = capfd.readouterr().out  # printed by a child process (torch reads the file)
     assert "silo 1: final model of run 11 (cluster 0, test accuracy" in shown
     assert "silo-1.run-11.model.pt" in shown

@@ -36,13 +36,17 @@ logger = logging.getLogger(__name__)
 
 # Per-sample gradients of one chunk hold chunk * p floats; this caps them at ~512 MiB.
 _PER_SAMPLE_FLOAT_BUDGET = 128 * 1024 * 1024
-# An engine that reports its floats per record (the layerwise one) gets chunks of at most
-# ~128 MiB, its own floats and the activations counted (:func:`chunk_size`). The quick
-# example's CNN runs its full-batch round (375 records) in chunks of 236 instead of one of
-# 375: the step took 0.86x the time and the silo's peak memory was ~110 MB lower; ResNet-18-GN
-# (CIFAR-10) in chunks of 28 instead of 202, the step 1.01x the time, ~0.8 GB less at its
-# peak (one thread, interleaved, 2026-11-27).
-_CHUNK_FLOAT_BUDGET = 32 * 1024 * 1024
+# An engine that reports its floats per record (the layerwise one) gets chunks of ~32 MiB, its
+# own floats and the activations counted (:func:`chunk_size`), but never fewer than
+# :data:`_MIN_CHUNK` records while they fit ~128 MiB: below ~30 records a chunk's products get
+# slow. The quick example's CNN runs its full-batch round (375 records) in chunks of 59: the
+# step took 1.05-1.1x the time of chunks of 236 (~128 MiB) and its peak was ~90 MB lower
+# (1,000 records, one thread, interleaved, 2026-11-27); 21 silos take that step at the same
+# moment. ResNet-18-GN (CIFAR-10) keeps chunks of 28 (~128 MiB): at 7 (~32 MiB) its step
+# took 1.5x the time for ~15 MB less.
+_CHUNK_FLOAT_BUDGET = 8 * 1024 * 1024
+_CHUNK_FLOAT_CEILING = 32 * 1024 * 1024
+_MIN_CHUNK = 32
 #: What a chunk holds per float of a record's activations (the forward outputs): the outputs,
 #: what autograd keeps for the backward pass, and their gradients.
 _ACTIVATION_COPIES = 3
@@ -110,19 +114,19 @@ def chunk_size(model: nn.Module, requested: int | None,
     """Physical batch: the requested one, or the largest whose per-record floats fit a
     budget. With ``floats_per_record`` (what the engine holds per record) and ``activations``
     (:func:`.per_sample.activation_floats`): those floats plus the activations' copies, in
-    :data:`_CHUNK_FLOAT_BUDGET`. Without: one gradient per record (what materialising every
+    :data:`_CHUNK_FLOAT_BUDGET`, or :data:`_MIN_CHUNK` records where that is fewer and they
+    fit :data:`_CHUNK_FLOAT_CEILING`. Without: one gradient per record (what materialising every
     per-sample gradient holds) in :data:`_PER_SAMPLE_FLOAT_BUDGET`."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"physical batch size must be >= 1, got {requested}")
         return requested
     if floats_per_record is None:
-        per_record = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        budget = _PER_SAMPLE_FLOAT_BUDGET
-    else:
-        per_record = floats_per_record + _ACTIVATION_COPIES * activations
-        budget = _CHUNK_FLOAT_BUDGET
-    return max(1, min(_MAX_CHUNK, budget // max(1, per_record)))
+        per_gradient = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // max(1, per_gradient)))
+    per_record = max(1, floats_per_record + _ACTIVATION_COPIES * activations)
+    floor = min(_MIN_CHUNK, _CHUNK_FLOAT_CEILING // per_record)
+    return max(1, floor, min(_MAX_CHUNK, _CHUNK_FLOAT_BUDGET // per_record))
 
 
 def _clipped_sum(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 from pydantic import BaseModel, Field
-from sklearn.cluster import KMeans
 
 from ..config.registry import register
 from ..config.settings import ExperimentConfig
@@ -58,6 +57,10 @@ class KMeansCFL(Method):
         models = self.state.models
         starts = np.stack([self.state.initial if replies[p].cluster == INITIAL
                            else models[replies[p].cluster] for p in partitions])
+        # imported here: every process that reads a run config loads each method's module,
+        # and a silo never clusters (scikit-learn and the pandas it pulls in: ~70 MB)
+        from sklearn.cluster import KMeans
+
         labels = KMeans(self.n_clusters, init="k-means++", n_init=1,
                         random_state=self.experiment.seed * 100_003 + server_round
                         ).fit(matrix).labels_
