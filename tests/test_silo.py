@@ -277,3 +277,31 @@ def test_simulation_fills_only_what_the_node_config_leaves_unset(experiment):
                                   "ledger-path": "l.json"}).resolved(run, trust_run_config=False)
     assert (deployed.samples_per_client, deployed.data_seed, deployed.metrics) == (500, 0,
                                                                                     "private")
+
+
+_OPEN_A_SILO = """
+import sys
+from flwr.app import Context, RecordDict
+from dpcfl_flwr import client_app
+context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "ledger-path": sys.argv[1],
+                                                   "epsilon": 5.0, "delta": 1e-5},
+                  state=RecordDict(), run_config={"clusters": "1,1", "samples-per-client": 40,
+                                                  "test-samples": 20})
+client_app._open_silo(context).describe()
+print(" ".join(m for m in ("sklearn", "pandas", "opacus") if m in sys.modules))
+"""
+
+
+def test_a_silo_loads_no_server_side_library(tmp_path):
+    """Reading a run config loads every method's module, R-DPCFL's clustering and k-means
+    among them; a silo never clusters, and scikit-learn with the pandas it loads held ~70 MB
+    of each deployed silo's process. Opened and describing its records, a fresh process
+    holds neither (nor Opacus, for a model the layerwise engine trains)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loaded = subprocess.run([sys.executable, "-c", _OPEN_A_SILO, str(tmp_path / "ledger.json")],
+                            check=True, capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    assert loaded == []

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.mixture import GaussianMixture
 
 # Columns are standardised and multiplied in blocks so that p = 11M parameters never needs
 # more than n x block floats beyond the update matrix itself.
@@ -105,6 +103,11 @@ def fit_spherical_gmm(
     """Spherical GMM with k-means++ init and uniform weights, as the authors fit it."""
     if not 2 <= n_clusters <= len(points):
         raise ValueError(f"cannot fit {n_clusters} clusters to {len(points)} points")
+    # scikit-learn (and the pandas it loads, ~70 MB) only where a mixture is fitted: every
+    # process that reads a run config imports R-DPCFL's module, silos included
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.mixture import GaussianMixture
+
     uniform = np.full(n_clusters, 1.0 / n_clusters)
     gmm = GaussianMixture(
         n_components=n_clusters, covariance_type="spherical", init_params="k-means++",
