@@ -27,7 +27,6 @@ from typing import Literal
 import numpy as np
 import scipy.linalg
 from scipy.special import logsumexp
-from sklearn.cluster import kmeans_plusplus
 
 from .gmm import GMMFit, UpdateClusterer, overlap, scale_points, separation_scores
 
@@ -215,6 +214,8 @@ def fit_noise_aware_gmm(
         raise ValueError(f"cannot fit {n_clusters} clusters to {n} points")
     if np.any(e < 0) or not np.all(np.isfinite(e)):
         raise ValueError("noise variances must be finite and non-negative")
+    from sklearn.cluster import kmeans_plusplus  # only where a mixture is fitted (gmm.py)
+
     _, seeds = kmeans_plusplus(x, n_clusters, random_state=np.random.RandomState(random_state),
                                sample_weight=_seed_weights(x, e))
     resp = np.zeros((n, n_clusters))
