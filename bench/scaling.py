@@ -155,7 +155,10 @@ def cpu_seconds(call: Callable[[], object]) -> float:
 
 
 def server_row(n: int) -> str:
-    """One table row: the round-1 clusterings' and each rule's CPU seconds at ``n`` silos."""
+    """One table row: the round-1 clusterings' and each rule's CPU seconds at ``n`` silos,
+    and the noise-aware clustering's M and ARI against the true clusters."""
+    from sklearn.metrics import adjusted_rand_score
+
     updates, facts, clusters = synthetic_round(n)
     reported = [f.noise_variance for f in facts]
     members = [np.flatnonzero(clusters == m) for m in range(4)]
@@ -165,43 +168,58 @@ def server_row(n: int) -> str:
 
     spherical = cpu_seconds(lambda: UpdateClusterer(None, range(2, 11), random_state=0,
                                                     n_components=None).fit(updates))
-    aware = cpu_seconds(lambda: NoiseAwareClusterer(None, range(2, 11), random_state=0,
-                                                    n_components=None).fit(updates, reported))
+    fitted: list[NoiseAwareClusterer] = []
+    aware = cpu_seconds(lambda: fitted.append(NoiseAwareClusterer(
+        None, range(2, 11), random_state=0, n_components=None).fit(updates, reported)))
+    ari = adjusted_rand_score(clusters, fitted[0].labels_)
     rules = [cpu_seconds(lambda rule=rule: rule_over_clusters(rule)) for rule in TIMED_RULES]
-    return (f"| {n:,} | {spherical:.2f} | {aware:.2f} | "
-            + " | ".join(f"{seconds:.2f}" for seconds in rules) + " |")
+    return (f"| {n:,} | {spherical:.2f} | {aware:.2f} | {fitted[0].n_clusters_}, "
+            f"{ari:.2f} | " + " | ".join(f"{seconds:.2f}" for seconds in rules) + " |")
 
 
-#: p' values of the Robust-HDP trade-off (the whole CNN update first).
-RPCA_ROWS = (CNN_PARAMETERS, 8_000, 2_000)
+#: Robust-HDP's settings in the trade-off: the whole CNN update, two fixed p', and the
+#: default, whose p' drops to ``rpca_auto_rows`` past ``rpca_work_limit``.
+RPCA_SETTINGS = (
+    ("28,938 (whole update)", RuleSettings(rpca_work_limit=None)),
+    ("8,000", RuleSettings(rpca_rows=8_000, rpca_work_limit=None)),
+    ("2,000", RuleSettings(rpca_rows=2_000, rpca_work_limit=None)),
+    ("default: 1,000 past the work limit", RuleSettings()),
+)
 
 
 def rpca_rows_tradeoff(n: int) -> str:
     """Robust-HDP over the four clusters of ``n`` silos with RPCA on the first p' coordinates
     (``rpca-rows``, the paper's device for large models): CPU seconds against the DP noise
-    of the weighted average relative to the oracle's inverse-variance weights (1 = optimal)."""
+    of the weighted average relative to the oracle's inverse-variance weights (1 = optimal),
+    and each silo's weight against the whole update's."""
     updates, facts, clusters = synthetic_round(n)
-    rows = []
-    for p_rows in RPCA_ROWS:
-        settings = RuleSettings(rpca_rows=p_rows)
-        excess = []
+    rows, exact = [], None
+    for label, settings in RPCA_SETTINGS:
+        excess: list[float] = []
+        weights: list[np.ndarray] = []
 
-        def over_clusters(settings: RuleSettings = settings, excess: list = excess) -> None:
+        def over_clusters(settings: RuleSettings = settings, excess: list = excess,
+                          weights: list = weights) -> None:
             for m in range(4):
                 idx = np.flatnonzero(clusters == m)
                 truth = np.array([facts[i].noise_variance for i in idx])
-                weights = combine("robust-hdp", updates[idx], [facts[i] for i in idx],
-                                  settings).weights
-                excess.append(aggregated_noise_level(weights, truth)
+                weights.append(combine("robust-hdp", updates[idx], [facts[i] for i in idx],
+                                       settings).weights)
+                excess.append(aggregated_noise_level(weights[-1], truth)
                               / oracle_noise_level(truth))
 
         seconds = cpu_seconds(over_clusters)
-        rows.append(f"| {p_rows:,} | {seconds:.1f} | {max(excess):.3f} |")
+        together = np.concatenate(weights)
+        exact = together if exact is None else exact
+        moved = float(np.max(np.abs(together / exact - 1)))
+        rows.append(f"| {label} | {seconds:.1f} | {max(excess):.4f} | {moved:.3f} |")
         print(rows[-1], flush=True)
     return (f"Robust-HDP at {n:,} silos against p' (`rpca-rows`): CPU seconds for the four "
-            "clusters, and the DP noise variance of each cluster's weighted average over the "
-            "oracle's (inverse true variances), the worst of the four:\n\n"
-            "| p' | CPU s | noise over the oracle's |\n|---|---|---|\n" + "\n".join(rows))
+            "clusters, the DP noise variance of each cluster's weighted average over the "
+            "oracle's (inverse true variances), the worst of the four, and the largest "
+            "relative change of a silo's weight against the whole update's:\n\n"
+            "| p' | CPU s | noise over the oracle's | weight change |\n|---|---|---|---|\n"
+            + "\n".join(rows))
 
 
 def server_costs(silos: Sequence[int]) -> str:
@@ -213,10 +231,12 @@ def server_costs(silos: Sequence[int]) -> str:
             f"not moved by a busy machine), on synthetic updates of the paper's CNN (p = "
             f"{CNN_PARAMETERS:,}): four clusters in the proportions {{3,6,6,6}}, noise std "
             "differing 4x between silos. Round 1: the clustering with M unknown (candidates "
-            "2..10, M - 1 axes); later rounds: each rule over the four clusters' members.\n\n"
-            "| silos | round-1 clustering, spherical | noise-aware | "
-            + " | ".join(TIMED_RULES) + " |\n|---|---|---|" + "---|" * len(TIMED_RULES) + "\n"
-            + "\n".join(rows) + "\n\n" + rpca_rows_tradeoff(max(silos)))
+            "2..10, M - 1 axes), and the noise-aware one's M and ARI against the true "
+            "clusters; later rounds: each rule over the four clusters' members (robust-hdp "
+            "with its default settings).\n\n"
+            "| silos | round-1 clustering, spherical | noise-aware | noise-aware M, ARI | "
+            + " | ".join(TIMED_RULES) + " |\n|---|---|---|---|" + "---|" * len(TIMED_RULES)
+            + "\n" + "\n".join(rows) + "\n\n" + rpca_rows_tradeoff(max(silos)))
 
 
 def silo_rounds(silos: Sequence[int], samples: int, tmp: Path) -> str:

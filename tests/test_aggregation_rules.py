@@ -48,6 +48,54 @@ def test_pcp_recovers_a_planted_low_rank_plus_sparse_matrix() -> None:
     assert np.linalg.matrix_rank(result.low_rank, tol=1e-3 * np.linalg.norm(low, 2)) == 2
 
 
+def _reference_pcp(matrix: np.ndarray, tol: float = 1e-7,
+                   max_iter: int = 500) -> tuple[np.ndarray, np.ndarray, int]:
+    """The inexact ALM as first written: Y itself, a full eigendecomposition of A^T A, the
+    whole n x n product for L, soft thresholding by sign and magnitude. The solver's
+    rewrite (Y / mu, eigenpairs above the threshold only, the cheaper product order, the
+    clip form of the threshold) must give the same split."""
+    m = np.asarray(matrix, dtype=np.float64)
+    lam = 1.0 / math.sqrt(max(m.shape))
+    norm_f = np.linalg.norm(m)
+    spectral = math.sqrt(np.linalg.eigvalsh(m.T @ m)[-1])
+    mu = 1.25 / spectral
+    mu_max = mu * 1e7
+    y = m / max(spectral, np.abs(m).max() / lam)
+    low, sparse = np.zeros_like(m), np.zeros_like(m)
+    for iteration in range(1, max_iter + 1):
+        a = m - sparse + y / mu
+        values, vectors = np.linalg.eigh(a.T @ a)
+        s = np.sqrt(np.clip(values, 0.0, None))
+        keep = s > 1.0 / mu
+        shrink = (s[keep] - 1.0 / mu) / s[keep]
+        low = a @ (vectors[:, keep] * shrink) @ vectors[:, keep].T
+        t = m - low + y / mu
+        sparse = np.sign(t) * np.maximum(np.abs(t) - lam / mu, 0.0)
+        gap = m - low - sparse
+        if np.linalg.norm(gap) / norm_f <= tol:
+            return low, sparse, iteration
+        y = y + mu * gap
+        mu = min(mu * 1.2, mu_max)
+    return low, sparse, max_iter
+
+
+@pytest.mark.parametrize(("rows", "columns", "rank"), [(400, 12, 2), (2000, 100, 2)])
+def test_pcp_gives_the_split_of_the_plain_inexact_alm(rows, columns, rank) -> None:
+    """(2000, 100): the first 9 of 55 iterations keep r < n / 8 singular values, so the
+    solver asks LAPACK for those alone, and takes the product in the low-rank order while
+    r < n / 2."""
+    rng = np.random.default_rng(rows)
+    signal = rng.standard_normal((rows, rank)) @ rng.standard_normal((rank, columns))
+    noise = rng.standard_normal((rows, columns)) * rng.uniform(0.1, 1.0, columns)
+    low, sparse, iterations = _reference_pcp(signal + noise)
+    result = principal_component_pursuit(signal + noise)
+    assert result.converged and result.iterations == iterations
+    np.testing.assert_allclose(result.sparse, sparse, rtol=0, atol=1e-9 * np.abs(sparse).max())
+    np.testing.assert_allclose(result.low_rank, low, rtol=0, atol=1e-9 * np.abs(low).max())
+    np.testing.assert_allclose(np.sum(result.sparse**2, axis=0), np.sum(sparse**2, axis=0),
+                               rtol=1e-9)
+
+
 # --- 2. robust-hdp on synthetic updates with known noise --------------------------------------
 def synthetic_updates(seed: int, n: int = 20, p: int = P_MNIST) -> tuple[np.ndarray, np.ndarray]:
     """(n, p) updates = rank-2 shared signal + Gaussian noise whose per-silo variances span
@@ -88,6 +136,31 @@ def test_robust_hdp_ranks_silos_by_noise_and_lands_near_the_oracle(noisy_round) 
     # spec'd order (paper 002 Table 3: Robust-HDP sits between the oracle and WeiAvg)
     assert oracle <= level < weiavg < uniform
     assert level <= 1.2 * oracle
+
+
+def test_rpca_rows_are_cut_only_for_clusters_past_the_work_limit() -> None:
+    from dpcfl_flwr.aggregation.robust_hdp import rpca_rows
+    settings = RuleSettings()
+    # the paper's sizes stay whole: the CNN at 20 silos, p' = 200,000 at 20 silos
+    assert rpca_rows(20, P_MNIST, settings) == P_MNIST
+    assert rpca_rows(20, 11_000_000, settings) == 200_000
+    assert rpca_rows(117, P_MNIST, settings) == P_MNIST  # 28,938 x 117^2 < 4e8
+    assert rpca_rows(118, P_MNIST, settings) == settings.rpca_auto_rows
+    assert rpca_rows(286, P_MNIST, RuleSettings(rpca_work_limit=None)) == P_MNIST
+    assert rpca_rows(286, P_MNIST, RuleSettings(rpca_rows=500)) == 500
+
+
+def test_robust_hdp_on_a_large_cluster_uses_the_first_auto_rows() -> None:
+    """Past the work limit the estimate is the exact path's on the first rpca_auto_rows
+    coordinates, nothing else."""
+    updates, variances = synthetic_updates(seed=5, n=30, p=4_000)
+    facts = facts_for(variances, np.ones(30))
+    cut = RuleSettings(rpca_work_limit=1e6, rpca_auto_rows=1_500)
+    same = RuleSettings(rpca_work_limit=None, rpca_rows=1_500)
+    a, b = combine("robust-hdp", updates, facts, cut), combine("robust-hdp", updates, facts, same)
+    np.testing.assert_array_equal(a.weights, b.weights)
+    whole = combine("robust-hdp", updates, facts, RuleSettings(rpca_work_limit=None))
+    assert not np.array_equal(whole.weights, a.weights)
 
 
 def test_a_slow_rpca_says_once_how_to_make_it_cheaper(noisy_round, monkeypatch, caplog) -> None:

@@ -18,9 +18,11 @@ from dpcfl_flwr.clustering import (
     debiased_projection,
     fit_noise_aware_gmm,
     fit_spherical_gmm,
+    residual_noise_variances,
     switch_round,
     update_gram,
 )
+from dpcfl_flwr.clustering.noise_aware import _signal_axes, signal_gram
 from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import METRICS, UPDATE, ModelLayout, one_record, pack
@@ -97,6 +99,126 @@ def test_a_components_radius_counts_its_members_noise():
     member_noise = fit.responsibilities.T @ excess / fit.responsibilities.sum(axis=0)
     np.testing.assert_allclose(fit.radii**2, fit.spreads + member_noise, rtol=1e-6)
     assert 0 < fit.mss < 1  # 8 apart, members' std ~7: heavy overlap, and it says so
+
+
+# --- the fit against the EM as first written --------------------------------------------------
+def _reference_fit(points, noise, n_clusters, seed, tol=1e-6, max_iter=100, reg=1e-6,
+                   inner_steps=20):
+    """The noise-aware EM written plainly: one component at a time, every point, (n, d)
+    noise, scipy's logsumexp. The fit's rewrite (all components at once, each over the
+    points it reaches, squared distances about the plain weighted mean, isotropic noise
+    summed once per point) must give the same fit."""
+    from scipy.special import logsumexp
+    from sklearn.cluster import kmeans_plusplus
+    x = np.asarray(points, dtype=float)
+    n, d = x.shape
+    e = np.broadcast_to(np.asarray(noise, dtype=float).reshape(n, -1), (n, d))
+    excess = e.mean(axis=1)
+    weights = np.ones(n)
+    if np.any(excess > 0):
+        squared = np.sum((x[:, None] - x[None]) ** 2, axis=2)
+        np.fill_diagonal(squared, np.inf)
+        weights = 1 / (max(np.median(squared.min(axis=1)) / d, reg) + excess)
+    _, seeds = kmeans_plusplus(x, n_clusters, random_state=np.random.RandomState(seed),
+                               sample_weight=weights)
+
+    def m_step(r, variance, steps):
+        mass = r.sum() + 10 * np.finfo(float).eps
+        mean = r @ x / mass
+        for _ in range(steps):
+            w = 1 / (variance + e)
+            mean = (r @ (w * x)) / (r @ w + 1e-300) * (r.sum() / mass)
+            w2 = r[:, None] * w**2
+            updated = max(np.sum(w2 * ((x - mean) ** 2 - e)) / (np.sum(w2) + 1e-300), 0) + reg
+            settled = abs(updated - variance) <= 1e-12 * max(updated, reg)
+            variance = updated
+            if settled:
+                break
+        return mean, variance
+
+    def log_densities(means, variances):
+        total = variances[None, :, None] + e[:, None, :]
+        return -0.5 * np.sum(np.log(2 * math.pi * total)
+                             + (x[:, None] - means[None]) ** 2 / total, axis=2)
+
+    resp = np.zeros((n, n_clusters))
+    resp[seeds, np.arange(n_clusters)] = 1
+    means, variances = np.zeros((n_clusters, d)), np.zeros(n_clusters)
+    for m in range(n_clusters):
+        means[m], variances[m] = m_step(resp[:, m], reg, 1)
+    log_weights, bound = np.full(n_clusters, -math.log(n_clusters)), -np.inf
+    for n_iter in range(1, max_iter + 1):  # noqa: B007
+        joint = log_densities(means, variances) + log_weights
+        norm = logsumexp(joint, axis=1)
+        resp = np.exp(joint - norm[:, None])
+        for m in range(n_clusters):
+            means[m], variances[m] = m_step(resp[:, m], variances[m], inner_steps)
+        mass = resp.sum(axis=0) + 10 * np.finfo(float).eps
+        log_weights = np.log(mass / mass.sum())
+        previous, bound = bound, norm.mean()
+        if abs(bound - previous) < tol:
+            break
+    joint = log_densities(means, variances)
+    return means, variances, np.exp(joint - logsumexp(joint, axis=1)[:, None]), n_iter
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n_clusters", [2, 3, 5])
+@pytest.mark.parametrize("noise_kind", ["per point", "per point and axis"])
+def test_the_fit_is_the_plain_em(seed, n_clusters, noise_kind):
+    rng = np.random.default_rng(seed)
+    *_, excess, points = _two_noise_levels(seed, n=120)
+    points = np.column_stack([points, rng.normal(size=len(points))])
+    if noise_kind == "per point":
+        noise = np.repeat(excess[:, None], 3, axis=1)  # the clusterer's (n, d) of equal columns
+    else:
+        noise = excess[:, None] * rng.uniform(0.5, 1.5, (len(points), 3))
+    means, spreads, responsibilities, n_iter = _reference_fit(points, noise, n_clusters, seed)
+    fit = fit_noise_aware_gmm(points, noise, n_clusters, seed)
+    assert fit.n_iter == n_iter
+    np.testing.assert_allclose(fit.means, means, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.spreads, spreads, rtol=1e-9)
+    np.testing.assert_allclose(fit.responsibilities, responsibilities, rtol=0, atol=1e-9)
+
+
+def test_the_projection_steps_are_their_plain_forms():
+    """diag(G^-1) from a Cholesky factor, the centring by means and the top eigenpairs
+    alone against the eigendecompositions and n x n products they replace; axes agree up
+    to their sign, which scaling and the mixture do not see."""
+    truth, variances, updates = _updates(seed=2, n=24, p=3_000)
+    gram, trained = update_gram(updates)
+    scale = np.trace(gram) / len(gram)
+    values, vectors = np.linalg.eigh(gram / scale)
+    plain = scale / ((vectors**2) @ (1 / values)) / (trained - len(gram) + 1)
+    np.testing.assert_allclose(residual_noise_variances(gram, trained), plain, rtol=1e-9)
+    singular = updates[:, :10]  # 24 updates in 10 coordinates: G is singular
+    gram10, _ = update_gram(singular)
+    values, vectors = np.linalg.eigh(gram10 / (np.trace(gram10) / 24))
+    floored = (vectors**2) @ (1 / np.clip(values, 1e-12 * values.max(), None))
+    np.testing.assert_allclose(residual_noise_variances(gram10, 10),
+                               np.trace(gram10) / 24 / floored / 1, rtol=1e-9)
+
+    signal = signal_gram(gram, 4)
+    off, diagonal = gram - np.diag(np.diag(gram)), np.zeros(len(gram))
+    for _ in range(20):
+        w, v = np.linalg.eigh(off + np.diag(diagonal))
+        fitted = (v[:, -4:] ** 2) @ np.clip(w[-4:], 0, None)
+        settled = np.abs(fitted - diagonal).max() <= 1e-6 * np.abs(fitted).max()
+        diagonal = fitted
+        if settled:
+            break
+    np.testing.assert_allclose(signal, off + np.diag(diagonal), rtol=1e-9,
+                               atol=1e-12 * np.abs(gram).max())
+
+    centring = np.eye(len(gram)) - 1 / len(gram)
+    whiten = 1 / np.sqrt(variances)
+    w, v = np.linalg.eigh(whiten[:, None] * (centring @ signal @ centring) * whiten[None])
+    plain_axes = centring @ (whiten[:, None] * v[:, ::-1][:, :3])
+    axes, ratios = _signal_axes(signal, variances, 3)
+    np.testing.assert_allclose(ratios, w[::-1][:3], rtol=1e-9)
+    signs = np.sign(np.sum(axes * plain_axes, axis=0))
+    np.testing.assert_allclose(axes * signs, plain_axes, rtol=0,
+                               atol=1e-9 * np.abs(plain_axes).max())
 
 
 # --- updates in high dimension ----------------------------------------------------------------

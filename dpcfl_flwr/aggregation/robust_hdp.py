@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 #: An RPCA call slower than this (seconds) says once how to make it cheaper.
 SLOW_RPCA_SECONDS = 10.0
 _said_slow = False
+_said_cut = False
 
 
 def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.ndarray:
@@ -37,11 +38,11 @@ def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.
     ``trainable``): DP-SGD adds no noise there, and a trained coordinate carrying Gaussian
     noise is never exactly 0. Such coordinates are left out, so the p' rows are trained ones
     (a frozen base ahead of the head would otherwise fill them with zeros)."""
-    trained = updates[:, np.any(updates != 0, axis=0)]
-    if trained.shape[1] == 0:  # no silo moved any coordinate: nothing to estimate from
+    trained = np.flatnonzero(np.any(updates != 0, axis=0))
+    if len(trained) == 0:  # no silo moved any coordinate: nothing to estimate from
         return np.zeros(updates.shape[0])
-    rows = min(trained.shape[1], settings.rpca_rows)
-    block = trained[:, :rows].T
+    rows = rpca_rows(len(updates), len(trained), settings)
+    block = updates[:, trained[:rows]].T
     start = time.perf_counter()
     result = principal_component_pursuit(block, tol=settings.rpca_tol,
                                           max_iter=settings.rpca_max_iter)
@@ -51,6 +52,30 @@ def estimate_noise_variances(updates: np.ndarray, settings: RuleSettings) -> np.
                     "using its current split", result.iterations, result.residual,
                     settings.rpca_tol)
     return np.asarray(np.sum(result.sparse**2, axis=0) / rows)
+
+
+def rpca_rows(silos: int, trained: int, settings: RuleSettings) -> int:
+    """p', the rows RPCA sees for a cluster of ``silos`` updates with ``trained`` trained
+    coordinates: the smaller of those and ``rpca_rows``, cut to ``rpca_auto_rows`` when
+    p' n^2 would pass ``rpca_work_limit``.
+
+    Why: one PCP iteration costs about p' n^2 multiply-adds (its Gram matrix and the
+    low-rank product), so at hundreds of silos per cluster the exact split of the whole CNN
+    update took 13-18 CPU seconds per cluster, every round. Each silo's estimate
+    ||S_i||^2 / p' has a relative error of about sqrt(2 / p') whatever n is, so a cluster
+    that large loses little by using fewer rows: the paper's own device for large models
+    (002 §3.6), applied only where the exact path is slow."""
+    rows = min(trained, settings.rpca_rows)
+    limit = settings.rpca_work_limit
+    if limit is not None and rows * silos**2 > limit:
+        global _said_cut
+        if not _said_cut:
+            _said_cut = True
+            log.info("robust-hdp: %d silos in a cluster, so RPCA uses the first %d "
+                     "coordinates instead of %d (rpca_work_limit = %.0e)", silos,
+                     min(rows, settings.rpca_auto_rows), rows, limit)
+        return min(rows, settings.rpca_auto_rows)
+    return rows
 
 
 def _say_if_slow(seconds: float, shape: tuple[int, ...]) -> None:

@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 import scipy.linalg
-from scipy.special import logsumexp
+from scipy.spatial.distance import cdist
 
 from .gmm import GMMFit, UpdateClusterer, overlap, scale_points, separation_scores
 
@@ -58,9 +58,44 @@ def residual_noise_variances(gram: np.ndarray, trained: int) -> np.ndarray:
     than v_i on average, whatever silo i reports. One n x n inverse for all silos."""
     n = len(gram)
     scale = max(float(np.trace(gram)) / n, 1e-300)
-    values, vectors = np.linalg.eigh(gram / scale)
-    inverse_diagonal = (vectors**2) @ (1.0 / np.clip(values, 1e-12 * values.max(), None))
+    inverse_diagonal = _inverse_diagonal(gram / scale)
     return np.asarray(scale / inverse_diagonal / max(trained - n + 1, 1))
+
+
+def _inverse_diagonal(matrix: np.ndarray) -> np.ndarray:
+    """diag(A^-1) of a symmetric positive semi-definite A, its eigenvalues floored at 1e-12
+    of the largest (more updates than trained coordinates leave A singular).
+
+    From a Cholesky factor when A is well conditioned (estimated reciprocal condition number
+    above 1e-8, so no eigenvalue is near the floor): at 1,000 silos 0.05 s against 0.3 s
+    for the full eigendecomposition, which remains the path for a (nearly) singular A."""
+    lapack = scipy.linalg.lapack
+    factor, info = lapack.dpotrf(matrix)
+    if info == 0:
+        norm = float(np.abs(matrix).sum(axis=0).max())  # the 1-norm dpocon's estimate needs
+        rcond, info = lapack.dpocon(factor, norm)
+        if info == 0 and rcond > 1e-8:
+            inverse, info = lapack.dpotri(factor)
+            if info == 0:
+                return np.asarray(np.diag(inverse).copy())
+    values, vectors = np.linalg.eigh(matrix)
+    return np.asarray((vectors**2) @ (1.0 / np.clip(values, 1e-12 * values.max(), None)))
+
+
+def _centred(matrix: np.ndarray) -> np.ndarray:
+    """C S C for the centring C = I - 11^T / n and a symmetric S, by subtracting row,
+    column and grand means: the two n x n products took 0.12 s at 1,000 silos."""
+    row = matrix.mean(axis=1)
+    return np.asarray(matrix - row[:, None] - matrix.mean(axis=0)[None, :] + row.mean())
+
+
+def _top_eigenpairs(matrix: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` largest eigenvalues of a symmetric matrix, largest first, and their
+    eigenvectors (columns). Asking LAPACK for these alone costs about a quarter of the full
+    decomposition at 1,000 silos."""
+    n = len(matrix)
+    values, vectors = scipy.linalg.eigh(matrix, subset_by_index=[max(n - count, 0), n - 1])
+    return values[::-1], vectors[:, ::-1]
 
 
 def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
@@ -69,18 +104,15 @@ def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
     noise, and that ratio: generalised eigenvectors of the centred ``signal`` Gram (the Gram
     matrix less the noise on its diagonal) and of diag(v_i); with no variances, the plain
     principal directions. Each column sums to 0, so no direction carries the common mean."""
-    n = len(signal)
-    centring = np.eye(n) - 1.0 / n
+    centred = _centred(signal)
     if variances is None:
-        values, vectors = np.linalg.eigh(centring @ signal @ centring)
-        order = np.argsort(values)[::-1][:count]
-        return np.asarray(centring @ vectors[:, order]), values[order]
+        values, vectors = _top_eigenpairs(centred, count)
+        return np.asarray(vectors - vectors.mean(axis=0)), values
     v = np.asarray(variances, dtype=np.float64)
     whiten = 1.0 / np.sqrt(np.maximum(v, max(v.max(), 1e-300) * 1e-12))
-    values, vectors = np.linalg.eigh(whiten[:, None] * (centring @ signal @ centring)
-                                     * whiten[None, :])
-    order = np.argsort(values)[::-1][:count]
-    return np.asarray(centring @ (whiten[:, None] * vectors[:, order])), values[order]
+    values, vectors = _top_eigenpairs(whiten[:, None] * centred * whiten[None, :], count)
+    axes = whiten[:, None] * vectors
+    return np.asarray(axes - axes.mean(axis=0)), values
 
 
 def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray:
@@ -89,21 +121,27 @@ def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray
     rank-``rank`` fit of the rest, refitted until it settles, at most ``iterations`` times
     (diagonal deletion, as heteroscedastic PCA does). Nothing a silo reports enters, so no
     report can leave its noise in (A13)."""
-    off_diagonal = gram - np.diag(np.diag(gram))
     n = len(gram)
     diagonal = np.zeros(n)
+    matrix = np.empty(gram.shape, order="F")
     # Only the top ``rank`` eigenpairs enter: at 1,000 silos asking LAPACK for those alone
-    # is 3x cheaper than the full decomposition (bench/scaling.py, server part).
+    # is 3x cheaper than the full decomposition (bench/scaling.py, server part). LAPACK may
+    # overwrite its input, so each iteration refills one buffer (in LAPACK's column order, so
+    # it is not copied again) rather than building two new n x n arrays (8 MB each at 1,000
+    # silos).
     top = [max(n - rank, 0), n - 1]
     for _ in range(iterations):
-        values, vectors = scipy.linalg.eigh(off_diagonal + np.diag(diagonal),
-                                            subset_by_index=top)
+        matrix[...] = gram
+        np.fill_diagonal(matrix, diagonal)
+        values, vectors = scipy.linalg.eigh(matrix, subset_by_index=top, overwrite_a=True)
         fitted = np.einsum("ik,k,ik->i", vectors, np.clip(values, 0.0, None), vectors)
         settled = np.abs(fitted - diagonal).max() <= 1e-6 * max(np.abs(fitted).max(), 1e-300)
         diagonal = fitted
         if settled:
             break
-    return np.asarray(off_diagonal + np.diag(diagonal))
+    signal = np.array(gram, dtype=np.float64)
+    np.fill_diagonal(signal, diagonal)
+    return signal
 
 
 def combine_noise(reported: Sequence[float | None] | None, estimated: np.ndarray,
@@ -152,50 +190,157 @@ def debiased_projection(gram: np.ndarray, variances: np.ndarray,
     return np.asarray(signal @ axes @ inverse_root)
 
 
+def _log_sum_exp(joint: np.ndarray) -> np.ndarray:
+    """log sum_m exp(joint[i, m]) per row, computed as scipy's ``logsumexp`` does (the largest
+    terms apart, then log1p of the rest), without its per-call overhead: ~1.5 ms a call, which
+    at 1,000 silos made a twentieth of the EM's time."""
+    top = joint.max(axis=1, keepdims=True)
+    at_top = joint == top
+    ties = at_top.sum(axis=1, keepdims=True).astype(np.float64)
+    rest = np.where(at_top, 0.0, np.exp(joint - top)).sum(axis=1, keepdims=True) / ties
+    return np.asarray((np.log1p(rest) + np.log(ties) + top)[:, 0])
+
+
 def _log_densities(points: np.ndarray, noise: np.ndarray, means: np.ndarray,
                    variances: np.ndarray) -> np.ndarray:
-    """log N(x_i; mu_m, diag(s_m + e_ik)) for every point i and component m, (n, M)."""
-    total = variances[None, :, None] + noise[:, None, :]  # (n, M, d)
+    """log N(x_i; mu_m, diag(s_m + e_ik)) for every point i and component m, (n, M).
+
+    ``noise`` is (n, d), or (n, 1) when each point's e_i is the same on every axis (the
+    clusterer's case): then a point's d equal terms are summed once, and its squared distance
+    to each mean comes from ``cdist`` with no (n, M, d) array."""
+    d = points.shape[1]
+    if noise.shape[1] == 1:
+        total = variances[None, :] + noise  # (n, M)
+        log_norm = np.log(2 * math.pi * total)
+        log_norm *= d
+        log_norm += cdist(points, means, "sqeuclidean") / total
+        log_norm *= -0.5
+        return log_norm
+    per_axis = variances[None, :, None] + noise[:, None, :]  # (n, M, d)
     squared = (points[:, None, :] - means[None, :, :]) ** 2
-    return np.asarray(-0.5 * np.sum(np.log(2 * math.pi * total) + squared / total, axis=2))
+    return np.asarray(-0.5 * (np.sum(np.log(2 * math.pi * per_axis), axis=2)
+                              + np.sum(squared / per_axis, axis=2)))
 
 
-def _m_step_component(points: np.ndarray, noise: np.ndarray, resp: np.ndarray,
-                      variance: float, reg_covar: float,
-                      inner_steps: int) -> tuple[np.ndarray, float]:
-    """mu_m and s_m maximising sum_i r_im log N(x_i; mu_m, diag(s_m + e_ik)) (A12): no closed
-    form once the e_i differ, so alternate the weighted mean with the fixed point
-    s = sum r w^2 ((x - mu)^2 - e) / sum r w^2, w = 1 / (s + e), a few times. With every
-    e_ik = 0 the weights are constant and one pass is sklearn's spherical M-step."""
-    mass = resp.sum() + 10 * np.finfo(float).eps  # sklearn's guard against empty components
-    mean = (resp @ points) / mass
+def _m_step(points: np.ndarray, noise: np.ndarray, resp: np.ndarray, variances: np.ndarray,
+            reg_covar: float, inner_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """mu_m and s_m maximising sum_i r_im log N(x_i; mu_m, diag(s_m + e_ik)) (A12), for every
+    component m at once: no closed form once the e_i differ, so alternate the weighted mean
+    with the fixed point s = sum r w^2 ((x - mu)^2 - e) / sum r w^2, w = 1 / (s + e), at most
+    ``inner_steps`` times, each component until its s_m settles (then it is left as it is).
+    With every e_ik = 0 the weights are constant and one pass is sklearn's spherical M-step.
+    ``noise`` is (n, d), or (n, 1) as in :func:`_log_densities`; returns means (M, d), s (M,).
+
+    Why it is written this way: at 1,000 silos a Python loop over the components, ~15 numpy
+    calls on (n, d) arrays per fixed-point step, was most of the round-1 clustering's time
+    (bench/scaling.py, server part). Here one step is one batched matrix product of the
+    weights [r w, r w^2] with the columns of :class:`_Members` plus a few small operations,
+    for all components at once, and the weighted squared distances are
+    sum r w^2 ||x - c||^2 with c_m the plain weighted mean, computed once per M-step, less
+    the exact correction for mu_m - c_m (c_m is the component's own centre: nothing
+    cancels)."""
+    weight = resp.T  # (M, n)
+    total = weight.sum(axis=1)
+    mass = total + 10 * np.finfo(float).eps  # sklearn's guard against empty components
+    centres = (weight @ points) / mass[:, None]
+    members = _Members(points, noise, weight, centres)
+    q = members.per_column
+    means, spreads = centres.copy(), np.array(variances, dtype=np.float64)
+    active = np.arange(len(spreads))
+    share, spread = (total / mass)[:, None, None], spreads.copy()  # of the active components
     for _ in range(inner_steps):
-        weights = 1.0 / (variance + noise)
-        mean = (resp @ (weights * points)) / (resp @ weights + 1e-300) * (
-            resp.sum() / mass)
-        squared = (points - mean) ** 2
-        w2 = resp[:, None] * weights**2
-        spread = float(np.sum(w2 * (squared - noise)) / (np.sum(w2) + 1e-300))
-        updated = max(spread, 0.0) + reg_covar
-        if abs(updated - variance) <= 1e-12 * max(updated, reg_covar):
-            variance = updated
-            break
-        variance = updated
-    return mean, variance
+        sums = members.sums(spread)  # (k, a, 2, q + 2)
+        mean = sums[:, :, 0, :q] / (sums[:, :, 0, q:q + 1] + 1e-300)
+        mean += members.centres
+        mean *= share
+        shift = mean - members.centres
+        w2 = sums[:, :, 1, q:q + 1]
+        # sum r w^2 ||x - mu||^2 = sum r w^2 ||x - c||^2 + shift . (shift sum r w^2
+        #                          - 2 sum r w^2 (x - c)), per noise column
+        quadratic = np.einsum("kaq,kaq->k", shift, shift * w2 - 2 * sums[:, :, 1, :q])
+        updated = ((sums[:, :, 1, q + 1].sum(axis=1) + quadratic)
+                   / (q * w2.sum(axis=(1, 2)) + 1e-300))
+        np.maximum(updated, 0.0, out=updated)
+        updated += reg_covar  # so updated >= reg_covar
+        settled = np.abs(updated - spread) <= 1e-12 * updated
+        spread = updated
+        if settled.any():
+            means[active], spreads[active] = mean.reshape(len(active), -1), spread
+            keep = ~settled
+            active, share, spread, mean = active[keep], share[keep], spread[keep], mean[keep]
+            members.keep(keep)
+            if not len(active):
+                return means, spreads
+    means[active], spreads[active] = mean.reshape(len(active), -1), spread
+    return means, spreads
+
+
+class _Members:
+    """For the M-step's fixed point: per component m, the points with r_im > 0 (in their
+    order, then points of r_im = 0 to fill the width; those add exact zeros), and per noise
+    column a (one for isotropic noise, else one per axis, each over its q = d / a axes) the
+    columns [x - c_m (q), 1, ||x - c_m||^2 - q e] that the weights multiply. With
+    well-separated clusters most r_im underflow to 0, so a component's sums run over its
+    own cluster only: 286 of 1,000 points in the scaling bench."""
+
+    def __init__(self, points: np.ndarray, noise: np.ndarray, weight: np.ndarray,
+                 centres: np.ndarray) -> None:
+        columns = noise.shape[1]
+        q = self.per_column = points.shape[1] // columns
+        reached = weight > 0
+        width = max(int(reached.sum(axis=1).max()), 1)
+        index = np.argsort(~reached, axis=1, kind="stable")[:, :width]
+        self.r = np.take_along_axis(weight, index, axis=1)[:, None, :]  # (M, 1, w)
+        self.noise = np.ascontiguousarray(noise[index].transpose(0, 2, 1))  # (M, a, w)
+        self.centres = centres.reshape(len(index), columns, q)
+        self.values = np.empty((len(index), columns, width, q + 2))
+        offsets = self.values[..., :q]
+        np.subtract(points[index].reshape(len(index), width, columns, q),
+                    self.centres[:, None], out=offsets.transpose(0, 2, 1, 3))
+        self.values[..., q] = 1.0
+        np.einsum("kawq,kawq->kaw", offsets, offsets, out=self.values[..., q + 1])
+        self.values[..., q + 1] -= q * self.noise
+
+    def sums(self, spreads: np.ndarray) -> np.ndarray:
+        """[sum r w v, sum r w^2 v] over each component's points for every column v,
+        w = 1 / (s_m + e): (k, a, 2, q + 2)."""
+        total = spreads[:, None, None] + self.noise
+        weights = np.empty(total.shape[:2] + (2, total.shape[2]))
+        np.divide(self.r, total, out=weights[:, :, 0])
+        np.divide(weights[:, :, 0], total, out=weights[:, :, 1])
+        return np.asarray(weights @ self.values)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the components whose fixed point has settled."""
+        self.r, self.noise = self.r[mask], self.noise[mask]
+        self.values, self.centres = self.values[mask], self.centres[mask]
 
 
 def _seed_weights(points: np.ndarray, noise: np.ndarray) -> np.ndarray:
     """k-means++ weights 1 / (s_0 + mean_k e_ik), s_0 the squared median nearest-neighbour
     distance per axis: a point much noisier than the data's local spread is rarely a seed
     (it would start a component on an outlier); equal weights, today's seeds, when every
-    e_ik is 0."""
+    e_ik is 0. The pairwise distances come from ``cdist``, which needs no (n, n, d) array
+    (1,000 silos: 9 candidates x 72 MB of temporaries otherwise)."""
     excess = noise.mean(axis=1)
     if not np.any(excess > 0):
         return np.ones(len(points))
-    squared = np.sum((points[:, None, :] - points[None, :, :]) ** 2, axis=2)
+    squared = cdist(points, points, "sqeuclidean")
     np.fill_diagonal(squared, np.inf)
     spread = float(np.median(squared.min(axis=1))) / points.shape[1]
     return np.asarray(1.0 / (max(spread, REG_COVAR) + excess))
+
+
+def _noise_columns(noise: np.ndarray, n: int, d: int) -> np.ndarray:
+    """e_ik as (n, 1) when every axis of a point carries the same excess noise (the
+    clusterer's case, which the EM then sums once per point), otherwise (n, d)."""
+    e = np.asarray(noise, dtype=np.float64).reshape(n, -1)
+    if e.shape[1] not in (1, d):
+        raise ValueError(f"noise must hold one variance per point or per point and axis "
+                         f"({n} or {n} x {d}), got shape {np.shape(noise)}")
+    if np.any(e < 0) or not np.all(np.isfinite(e)):
+        raise ValueError("noise variances must be finite and non-negative")
+    return e[:, :1] if np.all(e == e[:, :1]) else e
 
 
 def fit_noise_aware_gmm(
@@ -209,31 +354,24 @@ def fit_noise_aware_gmm(
     rule on the mean log-likelihood); radii sqrt(s_m) give MSS and MPO (A16)."""
     x = np.asarray(points, dtype=np.float64)
     n, d = x.shape
-    e = np.broadcast_to(np.asarray(noise, dtype=np.float64).reshape(n, -1), (n, d))
     if not 2 <= n_clusters <= n:
         raise ValueError(f"cannot fit {n_clusters} clusters to {n} points")
-    if np.any(e < 0) or not np.all(np.isfinite(e)):
-        raise ValueError("noise variances must be finite and non-negative")
+    e = _noise_columns(noise, n, d)
     from sklearn.cluster import kmeans_plusplus  # only where a mixture is fitted (gmm.py)
 
     _, seeds = kmeans_plusplus(x, n_clusters, random_state=np.random.RandomState(random_state),
                                sample_weight=_seed_weights(x, e))
     resp = np.zeros((n, n_clusters))
     resp[seeds, np.arange(n_clusters)] = 1.0
-    variances = np.zeros(n_clusters)
-    means = np.zeros((n_clusters, d))
-    for m in range(n_clusters):  # one seed point each: spread 0, so s_m = reg_covar
-        means[m], variances[m] = _m_step_component(x, e, resp[:, m], reg_covar, reg_covar,
-                                                   1)
+    # one seed point each: spread 0, so s_m = reg_covar
+    means, variances = _m_step(x, e, resp, np.full(n_clusters, reg_covar), reg_covar, 1)
     log_weights = np.full(n_clusters, -math.log(n_clusters))
     bound, converged, n_iter = -np.inf, False, 0
     for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
         joint = _log_densities(x, e, means, variances) + log_weights
-        norm = logsumexp(joint, axis=1)
+        norm = _log_sum_exp(joint)
         resp = np.exp(joint - norm[:, None])
-        for m in range(n_clusters):
-            means[m], variances[m] = _m_step_component(x, e, resp[:, m], variances[m],
-                                                       reg_covar, inner_steps)
+        means, variances = _m_step(x, e, resp, variances, reg_covar, inner_steps)
         mass = resp.sum(axis=0) + 10 * np.finfo(float).eps
         log_weights = np.log(mass / mass.sum())
         previous, bound = bound, float(norm.mean())
@@ -242,7 +380,7 @@ def fit_noise_aware_gmm(
             break
     # The authors' soft assignment: uniform weights, whatever EM estimated.
     joint = _log_densities(x, e, means, variances)
-    responsibilities = np.exp(joint - logsumexp(joint, axis=1)[:, None])
+    responsibilities = np.exp(joint - _log_sum_exp(joint)[:, None])
     radii = component_radii(variances, responsibilities, e)
     mss = float(separation_scores(means, radii).min())
     return GMMFit(means, radii, responsibilities, n_iter, converged, mss, overlap(mss),
