@@ -66,12 +66,13 @@ def running_in_simulation() -> bool:
 
 
 def _open_silo(context: Context) -> Silo:
+    simulated = running_in_simulation()
     experiment = parse_run_config(context.run_config)
     silo = parse_node_config(context.node_config)
     record = context.state.config_records.get(_STATE)
     return Silo(silo, experiment, context.run_id,
                 str(record["ledger"]) if record is not None else None,
-                trust_run_config=running_in_simulation())
+                trust_run_config=simulated, own_process=not simulated)
 
 
 def _remember_rounds(context: Context, request: TrainRequest) -> None:

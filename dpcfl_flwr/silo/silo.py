@@ -152,8 +152,12 @@ class Silo:
     """
 
     def __init__(self, silo: SiloConfig, experiment: ExperimentConfig, run_id: int,
-                 state_ledger: str | None = None, trust_run_config: bool = False) -> None:
+                 state_ledger: str | None = None, trust_run_config: bool = False,
+                 own_process: bool = False) -> None:
         self.silo = silo.resolved(experiment, trust_run_config)
+        # a deployed silo's process is its own: what its accountant freed can go back to the
+        # system (:meth:`check`); a simulation's worker serves silo after silo
+        self._own_process = own_process
         self.experiment, self.run_id = experiment, run_id
         configure_threads(self.silo.threads)
         assert self.silo.epsilon is not None and self.silo.delta is not None  # resolved
@@ -379,11 +383,13 @@ class Silo:
         """BudgetExceeded when the round's ``planned`` mechanisms would take the ledger past
         the budget. This ends the accountant's work before a round trains or tests: what its
         compositions freed (tens of MB on the 1e-4-nat grid) goes back to the system first,
-        so the round's peak is the larger of the two, not their sum (runs/heap.py)."""
+        so the round's peak is the larger of the two, not their sum (runs/heap.py); in a
+        process of its own only (``own_process``), as after each message."""
         try:
             self._check(planned, round_number)
         finally:
-            give_back_freed_memory()
+            if self._own_process:
+                give_back_freed_memory()
 
     def _check(self, planned: list[GaussianSteps | Selection], round_number: int) -> None:
         if self.ledger.would_exceed(planned, self.budget):
