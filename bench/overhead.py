@@ -76,6 +76,7 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
     try:
         # in memory: 21 silos on 2 cores overrun SQLite's busy timeout
         deployment.up("--in-memory", *server_options)
+        opt_in_cpu_seconds(deployment.root / "clients")
         config = quick(rounds, deployment.root / "run", scale)
         for i in range(deployment.silos):
             deployment.silo(i, *silo_flags(config), *silo_options)
@@ -92,6 +93,21 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
         return json.loads(results.read_text())
     finally:
         deployment.down()
+
+
+def opt_in_cpu_seconds(silo_files: Path) -> None:
+    """Let every deployed silo report its train handler's CPU seconds, which the overhead is
+    measured against: a deployed silo leaves them out unless its operator opts in (they
+    follow the Poisson sample). The key goes at the end of each file, in its ``[node]``
+    table (the last one ``dpcfl topology silos`` writes)."""
+    files = sorted(silo_files.glob("silo-*.toml"))
+    if not files:
+        raise SystemExit(f"no silo files in {silo_files}")
+    for path in files:
+        text = path.read_text()
+        if text.rfind("[node]") < text.rfind("\n["):
+            raise SystemExit(f"{path}: [node] is not its last table; cannot opt in")
+        path.write_text(text.rstrip("\n") + "\nreport-cpu-seconds = true\n")
 
 
 def packing_bound(times: list[float], workers: int) -> float:
@@ -117,6 +133,10 @@ def whole(results: dict) -> float:
 def rows(name: str, results: dict, sequential_workers: bool) -> tuple[list[str], float, float]:
     """Table rows, the mean overhead of rounds 2..R, and its mean beyond the packing floor
     (equal to the overhead when silos time-share the cores, as over gRPC)."""
+    silent = [r["round"] for r in results["rounds"] if not r["client_cpu_seconds"]]
+    if silent:
+        raise SystemExit(f"{name}: no silo reported cpu-seconds in rounds {silent}, so the "
+                         "overhead cannot be measured")
     lines, fractions, beyond = [], [], []
     for r in results["rounds"]:
         compute, wall = r["client_cpu_seconds"], r["seconds"]

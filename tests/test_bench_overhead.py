@@ -1,14 +1,19 @@
 """The overhead bench's packing floor: a true lower bound on a round's makespan, and tight for
-the simulation's case of near-equal silos."""
+the simulation's case of near-equal silos; and its deployed silos report the CPU seconds the
+overhead is measured against."""
 
 from __future__ import annotations
 
 import itertools
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from bench.overhead import packing_bound
+from bench.overhead import opt_in_cpu_seconds, packing_bound
+from dpcfl_flwr.deploy.localhost import DPCFL
+from dpcfl_flwr.deploy.silo_file import deployed_settings, load_silo_file
 
 
 def optimal_makespan(times: list[float], workers: int) -> float:
@@ -39,3 +44,25 @@ def test_equal_silos_on_two_workers_need_the_larger_half() -> None:
 def test_one_long_job_sets_the_floor() -> None:
     assert packing_bound([5.0, 1.0, 1.0], 2) == pytest.approx(5.0)
     assert packing_bound([1.0, 1.0, 1.0, 1.0], 2) == pytest.approx(2.0)
+
+
+def test_opted_in_silo_files_report_cpu_seconds(tmp_path: Path) -> None:
+    """The files `dpcfl topology silos` writes leave the silo's CPU seconds out (a deployed
+    silo's default); after the bench's opt-in, each one resolves to reporting them."""
+    subprocess.run([*DPCFL, "topology", "silos", "--clusters", "1,2", "--out", str(tmp_path),
+                    "--superlink", "127.0.0.1:9"], check=True, capture_output=True)
+    files = sorted(tmp_path.glob("silo-*.toml"))
+    assert len(files) == 3
+
+    def reports(path: Path) -> bool | None:
+        return deployed_settings(load_silo_file(path, {}, {})[1]).report_cpu_seconds
+
+    assert not any(reports(path) for path in files)
+    opt_in_cpu_seconds(tmp_path)
+    assert all(reports(path) for path in files)
+
+
+def test_opting_in_refuses_a_file_whose_last_table_is_not_node(tmp_path: Path) -> None:
+    (tmp_path / "silo-00.toml").write_text('name = "a"\n[node]\nepsilon = 1.0\n[extra]\n')
+    with pytest.raises(SystemExit, match="last table"):
+        opt_in_cpu_seconds(tmp_path)
