@@ -18,7 +18,7 @@ from dpcfl_flwr.dpsgd.per_sample import (
     layerwise_supported,
     make_engine,
 )
-from dpcfl_flwr.models import build_model
+from dpcfl_flwr.models import ModelSpec, build, build_model
 
 
 @pytest.mark.parametrize(("name", "shape", "clip"), [
@@ -125,6 +125,18 @@ NETS = {
     "embedding of 2-D records": (lambda: _BagNet(3), lambda g: _indices((7, 3, 4), g)),
     "embedding layernorm": (lambda: _BagNet(0, norm=True), lambda g: _indices((7, 9), g)),
     "conv groupnorm ghost-conv linear": (_ConvNet, lambda g: torch.randn(7, 1, 4, 4, generator=g)),
+    # layer chains: the backward pass by hand (dpsgd/layer_chain.py), not autograd
+    "chain: the registry's mlp": (
+        lambda: build(ModelSpec("mlp", 3, (2, 3), (("hidden", "8,8"),))),
+        lambda g: torch.randn(7, 2, 3, generator=g)),
+    "chain: logistic regression": (
+        lambda: build(ModelSpec("mlp", 3, (6,), (("hidden", ""),))),
+        lambda g: torch.randn(7, 6, generator=g)),
+    "chain: nested sequential, no bias": (
+        lambda: nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(6, 5, bias=False),
+                                                          nn.ReLU(inplace=True)),
+                              nn.Linear(5, 3)),
+        lambda g: torch.randn(7, 3, 2, generator=g)),
 }
 
 
@@ -154,7 +166,8 @@ def _float64_case(name: str, frozen: tuple[str, ...] = ()) -> tuple[nn.Module, t
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("frozen", [(), ("embed", "norm.bias", "body.1.bias")])
+@pytest.mark.parametrize("frozen", [(), ("embed", "norm.bias", "body.1.bias",
+                                        "hidden.2.weight")])
 @pytest.mark.parametrize("name", list(NETS))
 def test_layerwise_per_sample_norms_and_clipped_sums_equal_single_record_backward(name, frozen):
     """float64, so the rule itself is checked (to 1e-10), not float32 rounding: every record's
@@ -166,6 +179,7 @@ def test_layerwise_per_sample_norms_and_clipped_sums_equal_single_record_backwar
     squared = torch.stack([g.pow(2).sum(1) for g in per_record]).sum(0)
     engine = make_engine(model, "auto")
     assert isinstance(engine, LayerwiseEngine)
+    assert (engine.chain is not None) == name.startswith("chain")
     try:
         ours = torch.stack([piece.squared_norms for piece in engine._layer_grads(x, y)]).sum(0)
         torch.testing.assert_close(ours, squared, rtol=1e-10, atol=1e-12)
@@ -245,3 +259,35 @@ def test_groupnorm_on_records_without_positions():
     finally:
         engine.close()
     torch.testing.assert_close(ours, squared, rtol=1e-10, atol=1e-12)
+
+
+class _UndeclaredTanh(nn.Module):
+    """A model whose declared layer chain leaves out the tanh of its forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.first(x)))
+
+    def layer_chain(self) -> list[nn.Module]:
+        return [self.first, nn.ReLU(), self.last]
+
+
+def test_a_layer_chain_that_is_not_the_forward_pass_is_refused():
+    """Its gradients would be another model's: the engine checks the chain's logits against
+    the model's once, on the first records, and refuses."""
+    engine = LayerwiseEngine(_UndeclaredTanh())
+    assert engine.chain is not None
+    with pytest.raises(ValueError, match="does not compute the model's forward pass"):
+        engine.clipped_sum(torch.randn(6, 4), torch.randint(0, 3, (6,)), 1.0)
+
+
+def test_chains_the_engine_does_not_follow_go_through_autograd():
+    """A Flatten of other dims, a layer without a backward rule, or no Linear layer at all:
+    no chain, so autograd's path, with the same sums."""
+    for model in (nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)),
+                  nn.Sequential(nn.Flatten(0), nn.Linear(4, 3))):
+        assert LayerwiseEngine(model).chain is None
+    assert LayerwiseEngine(nn.Sequential(nn.Linear(4, 3))).chain is not None

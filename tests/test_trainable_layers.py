@@ -51,8 +51,11 @@ def test_a_frozen_base_round_updates_only_the_head_by_one_dp_sgd_step(mode):
     norms = (per_weight.flatten(1).pow(2).sum(1) + residual.pow(2).sum(1)).sqrt()
     factors = (clip / (norms + 1e-6)).clamp(max=1.0)
     noise = torch.Generator().manual_seed(seed + 1)  # the round's noise seed (seed + 1)
-    noise_w = torch.normal(0.0, z * clip, size=head.weight.shape, generator=noise)
-    noise_b = torch.normal(0.0, z * clip, size=head.bias.shape, generator=noise)
+    # one draw for all trained parameters, in their order
+    drawn = torch.normal(0.0, z * clip, size=(head.weight.numel() + head.bias.numel(),),
+                         generator=noise)
+    noise_w = drawn[:head.weight.numel()].view_as(head.weight)
+    noise_b = drawn[head.weight.numel():]
     expected_w = -lr * ((factors[:, None, None] * per_weight).sum(0) + noise_w) / 24
     expected_b = -lr * ((factors[:, None] * residual).sum(0) + noise_b) / 24
 

@@ -15,6 +15,7 @@ import torch
 from dpcfl_flwr.dpsgd.per_sample import activation_floats, make_engine
 from dpcfl_flwr.dpsgd.training import (
     DPSGDConfig,
+    GaussianNoise,
     chunk_size,
     configure_threads,
     evaluate,
@@ -71,6 +72,25 @@ def test_full_batch_noise_has_lemma_4_1_variance():
     variance = float(updates.var(dim=0).mean())
     expected = (lr * z * clip / 40) ** 2
     assert variance == pytest.approx(expected, rel=0.05)
+
+
+def test_one_draw_noises_parameters_of_every_shape_and_dtype():
+    """The step's noise comes from one flat draw per dtype: each parameter still gets noise of
+    its own shape and dtype, of standard deviation std, fresh at every step and independent
+    across parameters (no two share numbers)."""
+    params = [torch.nn.Parameter(torch.zeros(300, 20)), torch.nn.Parameter(
+        torch.zeros(40, 50, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(7))]
+    noise = GaussianNoise(params, torch.Generator().manual_seed(0))
+    first = [torch.zeros_like(p) for p in params]
+    noise.add_to(first, 2.0)
+    second = [torch.zeros_like(p) for p in params]
+    noise.add_to(second, 2.0)
+    for a, b, p in zip(first, second, params, strict=True):
+        assert a.shape == p.shape and a.dtype == p.dtype and not torch.equal(a, b)
+    drawn = torch.cat([t.double().flatten() for t in first + second])
+    assert float(drawn.std()) == pytest.approx(2.0, rel=0.02)
+    assert abs(float(drawn.mean())) < 0.05
+    assert torch.unique(drawn).numel() == drawn.numel()
 
 
 def test_poisson_rounds_sample_at_rate_b_over_n_and_record_their_steps():

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.grad import conv2d_weight
 
+from .layer_chain import linear_chain
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Inputs never require gradients, so torch warns on every backward that Opacus' first-layer
@@ -156,7 +158,12 @@ class LayerwiseEngine:
                        and any(p.requires_grad for p in m.parameters(recurse=False))]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
-        self._handles = [layer.register_forward_hook(self._capture) for layer in self.layers]
+        # A plain Linear/ReLU chain gets its output gradients by hand (layer_chain), once its
+        # chain is seen to compute the model's forward pass; other models through autograd.
+        self.chain = linear_chain(model)
+        self._chain_checked = False
+        self._handles = [] if self.chain is not None else [
+            layer.register_forward_hook(self._capture) for layer in self.layers]
 
     def _capture(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
                  output: torch.Tensor) -> torch.Tensor:
@@ -178,12 +185,16 @@ class LayerwiseEngine:
                 return [torch.zeros_like(p) for p in self.params]
             return self.clipped_sum(x[kept], y[kept], clip)
         # every norm is finite here: the factor is Opacus' min(1, c / (||g_i|| + 1e-6))
-        return self._collect(pieces, (clip / (squared.sqrt() + 1e-6)).clamp(max=1.0))
+        return self._collect(pieces, torch.div(clip, squared.sqrt() + 1e-6).clamp_(max=1.0))
 
     def _layer_grads(self, x: torch.Tensor, y: torch.Tensor) -> list[_LayerGrads]:
         """One forward and one activation-gradient backward pass of the summed cross-entropy
         of ``x`` (B records) against labels ``y`` (B,): each trained layer's per-sample
         gradients, whose squared norms (B,) add up to the records' squared gradient norms."""
+        if self.chain is not None:
+            if not self._chain_checked:
+                self._check_chain(x)
+            return [_per_sample(m, a, g) for m, a, g in self.chain.output_grads(x, y)]
         self._records = []
         loss = F.cross_entropy(self.model(x), y, reduction="sum")
         # Gradients with respect to the layers' outputs only: autograd's engine then runs
@@ -195,6 +206,19 @@ class LayerwiseEngine:
                   zip(self._records, grads_out, strict=True)]
         self._records = []
         return pieces
+
+    def _check_chain(self, x: torch.Tensor) -> None:
+        """Refuse a model whose declared layer chain does not compute its forward pass (a
+        ``layer_chain()`` that leaves a layer out, say): its gradients would be another
+        model's. Once per engine, on the first records."""
+        assert self.chain is not None
+        with torch.no_grad():
+            ours, theirs = self.chain.forward(x)[-1], self.model(x)
+        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6,
+                                                            equal_nan=True):
+            raise ValueError(f"{type(self.model).__name__}.layer_chain() does not compute the "
+                             "model's forward pass")
+        self._chain_checked = True
 
     def floats_per_record(self, record: torch.Tensor) -> int:
         """What each trained layer's rule holds per record (:func:`_rule_floats`), from the
@@ -326,12 +350,13 @@ def _linear(module: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _LayerGrads:
     g_sq = torch.linalg.vecdot(g, g)
     if weight_on:
         a_sq = torch.linalg.vecdot(a, a)
-        squared = g_sq * (a_sq + 1.0) if bias_on else g_sq * a_sq
+        # with the bias: g_sq a_sq + g_sq, one fused call (the MLP's step is call-bound)
+        squared = torch.addcmul(g_sq, g_sq, a_sq) if bias_on else g_sq * a_sq
     else:
         squared = g_sq
 
     def weighted(c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        scaled = g * c[:, None]
+        scaled = g * c.unsqueeze(1)
         out = []
         if weight_on:
             out.append((module.weight, scaled.t() @ a))

@@ -130,7 +130,7 @@ def chunk_size(model: nn.Module, requested: int | None,
 
 
 def _clipped_sum(
-    engine: ClippedSumEngine, params: list[nn.Parameter], x: Inputs, y: torch.Tensor,
+    engine: ClippedSumEngine, params: list[torch.Tensor], x: Inputs, y: torch.Tensor,
     clip_norm: float, chunk: int,
 ) -> list[torch.Tensor]:
     """Sum over the batch of per-sample gradients clipped to ``clip_norm``, chunk by chunk
@@ -148,21 +148,52 @@ def _clipped_sum(
     return total
 
 
+class GaussianNoise:
+    """N(0, std^2 I) noise for every trained parameter, drawn in one call: one flat buffer
+    per dtype and device, with a view shaped like each parameter, made once per stepper.
+    Per tensor, a step's noise and update were 18 calls on the table MLP's 6 tensors (~75 us
+    of a ~500 us step on this CPU); here they are three, whatever the number of tensors."""
+
+    def __init__(self, params: list[torch.Tensor], generator: torch.Generator) -> None:
+        self.generator = generator
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for index, p in enumerate(params):
+            groups.setdefault((p.dtype, p.device), []).append(index)
+        self.buffers: list[torch.Tensor] = []
+        views: dict[int, torch.Tensor] = {}
+        for (dtype, device), members in groups.items():
+            flat = torch.empty(sum(params[i].numel() for i in members), dtype=dtype,
+                               device=device)
+            pieces = flat.split([params[i].numel() for i in members])
+            views.update({i: piece.view_as(params[i]) for i, piece in zip(members, pieces,
+                                                                          strict=True)})
+            self.buffers.append(flat)
+        self.views = [views[i] for i in range(len(params))]
+
+    def add_to(self, tensors: list[torch.Tensor], std: float) -> None:
+        """Add fresh noise of standard deviation ``std`` to ``tensors`` (shaped like the
+        parameters, in their order), in place."""
+        for flat in self.buffers:
+            flat.normal_(0.0, std, generator=self.generator)
+        torch._foreach_add_(tensors, self.views)
+
+
 def _noisy_step(
-    params: list[nn.Parameter], clipped: list[torch.Tensor], config: DPSGDConfig, std: float,
-    expected_batch: float, noise: torch.Generator, prox: ProxTerm | None,
+    params: list[torch.Tensor], clipped: list[torch.Tensor], config: DPSGDConfig, std: float,
+    expected_batch: float, noise: GaussianNoise, prox: ProxTerm | None,
 ) -> None:
     """theta <- theta - lr * ((sum of clipped grads + N(0, std^2 I)) / expected batch
     + lambda (theta - anchor)), std = z c; the proximal term is data-independent, so adding it
     after privatisation is free (post-processing) and, unlike a loss term, is not lost in
     clipping."""
     with torch.no_grad():
+        if std > 0:
+            noise.add_to(clipped, std)
+        if prox is None:
+            # one call for every tensor, as torch.optim's foreach SGD
+            torch._foreach_add_(params, clipped, alpha=-config.learning_rate / expected_batch)
+            return
         for index, (p, g) in enumerate(zip(params, clipped, strict=True)):
-            if std > 0:
-                g.add_(torch.normal(0.0, std, size=g.shape, generator=noise))
-            if prox is None:
-                p.add_(g, alpha=-config.learning_rate / expected_batch)
-                continue
             g.div_(expected_batch).add_(p - prox.anchor[index], alpha=prox.strength)
             p.add_(g, alpha=-config.learning_rate)
 
@@ -223,8 +254,8 @@ class DPSGDStepper:
         noiseless = audit is not None and audit.noiseless
         self.noise_std = 0.0 if noiseless else config.noise_multiplier * config.clip_norm
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.noise = secure_generator(noise_seed)
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        self.noise = GaussianNoise(self.params, secure_generator(noise_seed))
         # Engine and chunk are set on the first records: ``auto`` may measure the engines on
         # them (engine_choice), and the chunk follows the engine's per-record memory.
         self.engine: ClippedSumEngine | None = None

@@ -42,6 +42,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.hidden(torch.flatten(x, 1)))
 
+    def layer_chain(self) -> list[nn.Module]:
+        """The layers whose composition is :meth:`forward`: DP-SGD then runs this model's
+        backward pass by hand (:mod:`dpcfl_flwr.dpsgd.layer_chain`), without autograd."""
+        return [nn.Flatten(), *self.hidden, self.classifier]
+
 
 def build_mlp(num_classes: int, input_shape: tuple[int, ...], params: MLPParams) -> MLP:
     """The registry's builder: any input shape, flattened."""
