@@ -51,6 +51,12 @@ _MIN_CHUNK = 32
 #: what autograd keeps for the backward pass, and their gradients.
 _ACTIVATION_COPIES = 3
 _MAX_CHUNK = 512
+#: Most records per chunk under the memory rule that counts what the engine holds per record,
+#: above :data:`_MAX_CHUNK` for a small model whose records cost little memory: the table
+#: MLP's full-batch step on 4,096 records ran at 0.56x non-private SGD in chunks of 512 and
+#: 0.75x in chunks of 1,024 or 2,048, each chunk paying the step's fixed costs (one thread,
+#: one process, 2026-11-27).
+_MAX_BUDGETED_CHUNK = 2048
 #: Records per forward pass of an evaluation. The quick example's test split (1,667 records,
 #: the paper's CNN) took 0.73x the time in batches of 256 as in batches of 1,024, and its
 #: peak memory was 33 MiB above the model's instead of 98 (one thread, 2026-11-27).
@@ -115,8 +121,9 @@ def chunk_size(model: nn.Module, requested: int | None,
     budget. With ``floats_per_record`` (what the engine holds per record) and ``activations``
     (:func:`.per_sample.activation_floats`): those floats plus the activations' copies, in
     :data:`_CHUNK_FLOAT_BUDGET`, or :data:`_MIN_CHUNK` records where that is fewer and they
-    fit :data:`_CHUNK_FLOAT_CEILING`. Without: one gradient per record (what materialising every
-    per-sample gradient holds) in :data:`_PER_SAMPLE_FLOAT_BUDGET`."""
+    fit :data:`_CHUNK_FLOAT_CEILING`, at most :data:`_MAX_BUDGETED_CHUNK`. Without: one
+    gradient per record (what materialising every per-sample gradient holds) in
+    :data:`_PER_SAMPLE_FLOAT_BUDGET`, at most :data:`_MAX_CHUNK`."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"physical batch size must be >= 1, got {requested}")
@@ -126,7 +133,7 @@ def chunk_size(model: nn.Module, requested: int | None,
         return max(1, min(_MAX_CHUNK, _PER_SAMPLE_FLOAT_BUDGET // max(1, per_gradient)))
     per_record = max(1, floats_per_record + _ACTIVATION_COPIES * activations)
     floor = min(_MIN_CHUNK, _CHUNK_FLOAT_CEILING // per_record)
-    return max(1, floor, min(_MAX_CHUNK, _CHUNK_FLOAT_BUDGET // per_record))
+    return max(1, floor, min(_MAX_BUDGETED_CHUNK, _CHUNK_FLOAT_BUDGET // per_record))
 
 
 def _clipped_sum(
