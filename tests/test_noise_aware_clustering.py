@@ -22,7 +22,7 @@ from dpcfl_flwr.clustering import (
     switch_round,
     update_gram,
 )
-from dpcfl_flwr.clustering.noise_aware import _signal_axes, signal_gram
+from dpcfl_flwr.clustering.noise_aware import _signal_axes, fit_noise_aware_gmms, signal_gram
 from dpcfl_flwr.config.settings import parse_run_config
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import METRICS, UPDATE, ModelLayout, one_record, pack
@@ -179,6 +179,35 @@ def test_the_fit_is_the_plain_em(seed, n_clusters, noise_kind):
     np.testing.assert_allclose(fit.means, means, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(fit.spreads, spreads, rtol=1e-9)
     np.testing.assert_allclose(fit.responsibilities, responsibilities, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("noise_kind", ["per point", "per point and axis"])
+def test_fits_side_by_side_are_each_the_plain_em_on_its_axes(seed, noise_kind):
+    """The clusterer's candidates fitted together (M clusters on the first max(2, M - 1)
+    axes, stopping after different numbers of iterations) are each the plain EM on its own
+    axes, as if fitted alone."""
+    rng = np.random.default_rng(seed)
+    *_, excess, points = _two_noise_levels(seed, n=120)
+    points = np.column_stack([points, rng.normal(size=(len(points), 2))])
+    if noise_kind == "per point":
+        noise = np.repeat(excess[:, None], 4, axis=1)
+    else:
+        noise = excess[:, None] * rng.uniform(0.5, 1.5, (len(points), 4))
+    axes = {n_clusters: max(2, n_clusters - 1) for n_clusters in range(2, 6)}
+    fits = fit_noise_aware_gmms(points, noise, axes, seed, max_iter=30)
+    assert list(fits) == list(axes)
+    iterations = set()
+    for n_clusters, count in axes.items():
+        means, spreads, responsibilities, n_iter = _reference_fit(
+            points[:, :count], noise[:, :count], n_clusters, seed, max_iter=30)
+        fit = fits[n_clusters]
+        assert fit.n_iter == n_iter and fit.means.shape == (n_clusters, count)
+        np.testing.assert_allclose(fit.means, means, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(fit.spreads, spreads, rtol=1e-9)
+        np.testing.assert_allclose(fit.responsibilities, responsibilities, rtol=0, atol=1e-9)
+        iterations.add(n_iter)
+    assert len(iterations) > 1  # some fits left the batch before others
 
 
 def test_the_projection_steps_are_their_plain_forms():

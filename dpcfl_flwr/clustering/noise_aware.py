@@ -21,7 +21,7 @@ All of it is numpy on the server's DP outputs (post-processing; no privacy cost)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -190,46 +190,80 @@ def debiased_projection(gram: np.ndarray, variances: np.ndarray,
     return np.asarray(signal @ axes @ inverse_root)
 
 
-def _log_sum_exp(joint: np.ndarray) -> np.ndarray:
-    """log sum_m exp(joint[i, m]) per row, computed as scipy's ``logsumexp`` does (the largest
-    terms apart, then log1p of the rest), without its per-call overhead: ~1.5 ms a call, which
-    at 1,000 silos made a twentieth of the EM's time."""
-    top = joint.max(axis=1, keepdims=True)
-    at_top = joint == top
-    ties = at_top.sum(axis=1, keepdims=True).astype(np.float64)
-    rest = np.where(at_top, 0.0, np.exp(joint - top)).sum(axis=1, keepdims=True) / ties
-    return np.asarray((np.log1p(rest) + np.log(ties) + top)[:, 0])
+def _log_sum_exp(joint: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """log sum_m exp(joint[i, m]) per row i and mixture c, over the columns m with
+    ``owner[m]`` = c (each mixture's components side by side, ``owner`` ascending from 0):
+    (C, n), each mixture's row contiguous so that its mean sums as a separate fit's does.
+    Computed as scipy's ``logsumexp`` does (the largest terms apart, then log1p of the rest),
+    without its per-call overhead: ~1.5 ms a call, which at 1,000 silos made a twentieth of
+    the EM's time."""
+    starts = _first_columns(owner)
+    top = np.maximum.reduceat(joint, starts, axis=1)
+    spread_top = top[:, owner]
+    at_top = joint == spread_top
+    ties = np.add.reduceat(at_top, starts, axis=1, dtype=np.intp).astype(np.float64)
+    rest = np.add.reduceat(np.where(at_top, 0.0, _exp(joint - spread_top)), starts,
+                           axis=1) / ties
+    return np.ascontiguousarray((np.log1p(rest) + np.log(ties) + top).T)
+
+
+def _exp(x: np.ndarray) -> np.ndarray:
+    """exp(x), leaving 0 where x < -746, which is what exp gives there (it underflows below
+    -745.14): most of a point's components are that far when clusters are well separated,
+    and numpy's float64 exp costs ~13 ns a term on a CPU without AVX-512 (at 1,000 silos,
+    0.6 ms for one (n, K) array of 45 components, 0.2 ms so)."""
+    return np.exp(x, out=np.zeros_like(x), where=x > -746.0)
+
+
+def _first_columns(owner: np.ndarray) -> np.ndarray:
+    """Where each mixture's run of components starts in an ascending ``owner``."""
+    return np.flatnonzero(np.diff(owner, prepend=-1))
 
 
 def _log_densities(points: np.ndarray, noise: np.ndarray, means: np.ndarray,
-                   variances: np.ndarray) -> np.ndarray:
-    """log N(x_i; mu_m, diag(s_m + e_ik)) for every point i and component m, (n, M).
+                   variances: np.ndarray, axes: np.ndarray) -> np.ndarray:
+    """log N(x_i; mu_m, diag(s_m + e_ik)) over the first ``axes[m]`` axes, for every point i
+    and component m, (n, K); the means' other axes are 0.
 
     ``noise`` is (n, d), or (n, 1) when each point's e_i is the same on every axis (the
-    clusterer's case): then a point's d equal terms are summed once, and its squared distance
-    to each mean comes from ``cdist`` with no (n, M, d) array."""
-    d = points.shape[1]
+    clusterer's case): then a point's axes[m] equal terms are summed once, and its squared
+    distance to each mean comes from ``cdist`` with no (n, K, d) array. With (n, d) noise
+    every component has all d axes."""
     if noise.shape[1] == 1:
-        total = variances[None, :] + noise  # (n, M)
+        total = variances[None, :] + noise  # (n, K)
         log_norm = np.log(2 * math.pi * total)
-        log_norm *= d
-        log_norm += cdist(points, means, "sqeuclidean") / total
+        log_norm *= axes
+        log_norm += _squared_distances(points, means, axes) / total
         log_norm *= -0.5
         return log_norm
-    per_axis = variances[None, :, None] + noise[:, None, :]  # (n, M, d)
+    per_axis = variances[None, :, None] + noise[:, None, :]  # (n, K, d)
     squared = (points[:, None, :] - means[None, :, :]) ** 2
     return np.asarray(-0.5 * (np.sum(np.log(2 * math.pi * per_axis), axis=2)
                               + np.sum(squared / per_axis, axis=2)))
 
 
+def _squared_distances(points: np.ndarray, means: np.ndarray, axes: np.ndarray) -> np.ndarray:
+    """||x_i - mu_m||^2 over the first ``axes[m]`` axes, (n, K): one ``cdist`` per number of
+    axes, so each distance is the one a fit on those axes alone computes."""
+    squared = np.empty((len(points), len(means)))
+    for count in np.unique(axes):
+        mine = axes == count
+        squared[:, mine] = cdist(points[:, :count], means[mine, :count], "sqeuclidean")
+    return squared
+
+
 def _m_step(points: np.ndarray, noise: np.ndarray, resp: np.ndarray, variances: np.ndarray,
-            reg_covar: float, inner_steps: int) -> tuple[np.ndarray, np.ndarray]:
+            reg_covar: float, inner_steps: int,
+            axes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """mu_m and s_m maximising sum_i r_im log N(x_i; mu_m, diag(s_m + e_ik)) (A12), for every
     component m at once: no closed form once the e_i differ, so alternate the weighted mean
     with the fixed point s = sum r w^2 ((x - mu)^2 - e) / sum r w^2, w = 1 / (s + e), at most
     ``inner_steps`` times, each component until its s_m settles (then it is left as it is).
     With every e_ik = 0 the weights are constant and one pass is sklearn's spherical M-step.
-    ``noise`` is (n, d), or (n, 1) as in :func:`_log_densities`; returns means (M, d), s (M,).
+    ``noise`` is (n, d), or (n, 1) as in :func:`_log_densities`; component m lives on the
+    first ``axes[m]`` axes of the points (fewer than d for a mixture fitted on fewer axes
+    beside others, isotropic noise only). Returns means (K, d), 0 beyond each component's
+    axes, and s (K,).
 
     Why it is written this way: at 1,000 silos a Python loop over the components, ~15 numpy
     calls on (n, d) arrays per fixed-point step, was most of the round-1 clustering's time
@@ -238,12 +272,23 @@ def _m_step(points: np.ndarray, noise: np.ndarray, resp: np.ndarray, variances: 
     for all components at once, and the weighted squared distances are
     sum r w^2 ||x - c||^2 with c_m the plain weighted mean, computed once per M-step, less
     the exact correction for mu_m - c_m (c_m is the component's own centre: nothing
-    cancels)."""
-    weight = resp.T  # (M, n)
+    cancels). Components reaching over twice the median number of points go in a batch of
+    their own: padded to the widest, the others would multiply the work (at 1,000 silos a
+    2-cluster fit's components reach all points, the 10-cluster fit's 286)."""
+    reach = np.count_nonzero(resp, axis=0)
+    wide = reach > 2 * np.median(reach)
+    if wide.any():
+        means, spreads = np.empty((len(reach), points.shape[1])), np.empty(len(reach))
+        for part in (wide, ~wide):
+            means[part], spreads[part] = _m_step(points, noise, resp[:, part], variances[part],
+                                                 reg_covar, inner_steps, axes[part])
+        return means, spreads
+    weight = resp.T  # (K, n)
     total = weight.sum(axis=1)
     mass = total + 10 * np.finfo(float).eps  # sklearn's guard against empty components
     centres = (weight @ points) / mass[:, None]
-    members = _Members(points, noise, weight, centres)
+    centres[np.arange(points.shape[1])[None, :] >= axes[:, None]] = 0.0
+    members = _Members(points, noise, weight, centres, axes)
     q = members.per_column
     means, spreads = centres.copy(), np.array(variances, dtype=np.float64)
     active = np.arange(len(spreads))
@@ -259,7 +304,7 @@ def _m_step(points: np.ndarray, noise: np.ndarray, resp: np.ndarray, variances: 
         #                          - 2 sum r w^2 (x - c)), per noise column
         quadratic = np.einsum("kaq,kaq->k", shift, shift * w2 - 2 * sums[:, :, 1, :q])
         updated = ((sums[:, :, 1, q + 1].sum(axis=1) + quadratic)
-                   / (q * w2.sum(axis=(1, 2)) + 1e-300))
+                   / (members.counts * w2.sum(axis=(1, 2)) + 1e-300))
         np.maximum(updated, 0.0, out=updated)
         updated += reg_covar  # so updated >= reg_covar
         settled = np.abs(updated - spread) <= 1e-12 * updated
@@ -279,27 +324,30 @@ class _Members:
     """For the M-step's fixed point: per component m, the points with r_im > 0 (in their
     order, then points of r_im = 0 to fill the width; those add exact zeros), and per noise
     column a (one for isotropic noise, else one per axis, each over its q = d / a axes) the
-    columns [x - c_m (q), 1, ||x - c_m||^2 - q e] that the weights multiply. With
-    well-separated clusters most r_im underflow to 0, so a component's sums run over its
-    own cluster only: 286 of 1,000 points in the scaling bench."""
+    columns [x - c_m (q), 1, ||x - c_m||^2 - q_m e] that the weights multiply, q_m of the q
+    axes being component m's own (the others' x - c_m are 0). With well-separated clusters
+    most r_im underflow to 0, so a component's sums run over its own cluster only: 286 of
+    1,000 points in the scaling bench."""
 
     def __init__(self, points: np.ndarray, noise: np.ndarray, weight: np.ndarray,
-                 centres: np.ndarray) -> None:
+                 centres: np.ndarray, axes: np.ndarray) -> None:
         columns = noise.shape[1]
         q = self.per_column = points.shape[1] // columns
-        reached = weight > 0
+        self.counts = axes // columns  # q_m
+        reached = np.ascontiguousarray(weight > 0)  # weight is resp.T: rows, not columns
         width = max(int(reached.sum(axis=1).max()), 1)
         index = np.argsort(~reached, axis=1, kind="stable")[:, :width]
-        self.r = np.take_along_axis(weight, index, axis=1)[:, None, :]  # (M, 1, w)
-        self.noise = np.ascontiguousarray(noise[index].transpose(0, 2, 1))  # (M, a, w)
+        self.r = np.take_along_axis(weight, index, axis=1)[:, None, :]  # (K, 1, w)
+        self.noise = np.ascontiguousarray(np.take(noise, index, axis=0).transpose(0, 2, 1))
         self.centres = centres.reshape(len(index), columns, q)
         self.values = np.empty((len(index), columns, width, q + 2))
         offsets = self.values[..., :q]
-        np.subtract(points[index].reshape(len(index), width, columns, q),
-                    self.centres[:, None], out=offsets.transpose(0, 2, 1, 3))
+        own = _on_own_axes(points, axes, index)  # (K, w, d)
+        np.subtract(own.reshape(len(index), width, columns, q), self.centres[:, None],
+                    out=offsets.transpose(0, 2, 1, 3))
         self.values[..., q] = 1.0
         np.einsum("kawq,kawq->kaw", offsets, offsets, out=self.values[..., q + 1])
-        self.values[..., q + 1] -= q * self.noise
+        self.values[..., q + 1] -= self.counts[:, None, None] * self.noise
 
     def sums(self, spreads: np.ndarray) -> np.ndarray:
         """[sum r w v, sum r w^2 v] over each component's points for every column v,
@@ -312,8 +360,20 @@ class _Members:
 
     def keep(self, mask: np.ndarray) -> None:
         """Drop the components whose fixed point has settled."""
-        self.r, self.noise = self.r[mask], self.noise[mask]
+        self.r, self.noise, self.counts = self.r[mask], self.noise[mask], self.counts[mask]
         self.values, self.centres = self.values[mask], self.centres[mask]
+
+
+def _on_own_axes(points: np.ndarray, axes: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """points[index[m]] (K, w, d) with the axes beyond ``axes[m]`` 0 (only isotropic noise has
+    components on fewer axes than the points: a fit on fewer axes beside others). By
+    ``np.take`` of one flat index, ~3x faster than fancy indexing at 1,000 silos."""
+    n, d = points.shape
+    if np.all(axes == d):
+        return np.take(points, index, axis=0)
+    levels, level = np.unique(axes, return_inverse=True)
+    own = np.where(np.arange(d) < levels[:, None, None], points, 0.0)  # (L, n, d)
+    return np.take(own.reshape(-1, d), level[:, None] * n + index, axis=0)
 
 
 def _seed_weights(points: np.ndarray, noise: np.ndarray) -> np.ndarray:
@@ -352,39 +412,133 @@ def fit_noise_aware_gmm(
     known excess noise variance per axis ((n,) or (n, d)). Same start as
     :func:`~.gmm.fit_spherical_gmm` (k-means++ seeds, uniform weights, sklearn's stopping
     rule on the mean log-likelihood); radii sqrt(s_m) give MSS and MPO (A16)."""
+    axes = {n_clusters: np.shape(points)[1]}
+    return fit_noise_aware_gmms(points, noise, axes, random_state, tol, max_iter, reg_covar,
+                                inner_steps)[n_clusters]
+
+
+def fit_noise_aware_gmms(
+    points: np.ndarray, noise: np.ndarray, axes: Mapping[int, int], random_state: int = 0,
+    tol: float = 1e-6, max_iter: int = 100, reg_covar: float = REG_COVAR,
+    inner_steps: int = 20,
+) -> dict[int, GMMFit]:
+    """:func:`fit_noise_aware_gmm` for several numbers of clusters at once, M clusters on the
+    first ``axes[M]`` axes of the (n, d) ``points`` and of ``noise``: the clusterer's
+    candidates. Returns M -> the fit ``fit_noise_aware_gmm`` gives on those axes.
+
+    Why together: at 1,000 silos one EM iteration of one candidate is some 40 numpy calls
+    on small arrays, whose overhead made most of the nine candidates' time (bench/scaling.py,
+    server part). Side by side, an iteration makes those calls once for every candidate
+    still iterating. Each component's arithmetic stays its own, so every fit is its separate
+    fit's up to rounding. With noise per axis, only fits on the same axes go side by side."""
     x = np.asarray(points, dtype=np.float64)
     n, d = x.shape
-    if not 2 <= n_clusters <= n:
-        raise ValueError(f"cannot fit {n_clusters} clusters to {n} points")
     e = _noise_columns(noise, n, d)
+    if not axes:
+        raise ValueError("no number of clusters to fit")
+    for n_clusters, count in axes.items():
+        if not 2 <= n_clusters <= n:
+            raise ValueError(f"cannot fit {n_clusters} clusters to {n} points")
+        if not 1 <= count <= d:
+            raise ValueError(f"cannot fit {n_clusters} clusters on {count} of {d} axes")
+    if e.shape[1] == 1:
+        return _fit_side_by_side(x[:, :max(axes.values())], e, axes, random_state, tol,
+                                 max_iter, reg_covar, inner_steps)
+    fits: dict[int, GMMFit] = {}
+    for count in sorted(set(axes.values())):
+        fits.update(_fit_side_by_side(
+            x[:, :count], _noise_columns(e[:, :count], n, count),
+            {m: k for m, k in axes.items() if k == count}, random_state, tol, max_iter,
+            reg_covar, inner_steps))
+    return {n_clusters: fits[n_clusters] for n_clusters in axes}
+
+
+def _fit_side_by_side(x: np.ndarray, e: np.ndarray, axes: Mapping[int, int],
+                      random_state: int, tol: float, max_iter: int, reg_covar: float,
+                      inner_steps: int) -> dict[int, GMMFit]:
+    """:func:`fit_noise_aware_gmms` on points ``x`` whose noise ``e`` is (n, 1), or (n, d)
+    with every fit on all d axes. A mixture's components are consecutive rows (K = the sum
+    of the M) and ``owner`` names each row's mixture; the radii use the uniform weights of
+    the authors' soft assignment, whatever EM estimated."""
+    sizes = np.array(list(axes), dtype=np.intp)
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    component_axes = np.repeat(np.array(list(axes.values()), dtype=np.intp), sizes)
+    means, variances, n_iter, converged = _em_side_by_side(
+        x, e, _seed_responsibilities(x, e, axes, random_state), component_axes, owner, tol,
+        max_iter, reg_covar, inner_steps)
+    joint = _log_densities(x, e, means, variances, component_axes)
+    responsibilities = _exp(joint - _log_sum_exp(joint, owner).T[:, owner])
+    fits = {}
+    for mixture, (n_clusters, count) in enumerate(axes.items()):
+        mine = owner == mixture
+        resp = responsibilities[:, mine]
+        radii = component_radii(variances[mine], resp, e)
+        mss = float(separation_scores(means[mine, :count], radii).min())
+        fits[n_clusters] = GMMFit(means[mine, :count], radii, resp, int(n_iter[mixture]),
+                                  bool(converged[mixture]), mss, overlap(mss), variances[mine])
+    return fits
+
+
+def _seed_responsibilities(x: np.ndarray, e: np.ndarray, axes: Mapping[int, int],
+                           random_state: int) -> np.ndarray:
+    """(n, K) one-hot columns of every mixture's k-means++ seeds, M on its first axes[M] axes
+    from its own ``RandomState(random_state)``, weighted by :func:`_seed_weights` (one
+    n x n distance matrix per number of axes)."""
     from sklearn.cluster import kmeans_plusplus  # only where a mixture is fitted (gmm.py)
 
-    _, seeds = kmeans_plusplus(x, n_clusters, random_state=np.random.RandomState(random_state),
-                               sample_weight=_seed_weights(x, e))
-    resp = np.zeros((n, n_clusters))
-    resp[seeds, np.arange(n_clusters)] = 1.0
+    weights: dict[int, np.ndarray] = {}
+    columns = []
+    for n_clusters, count in axes.items():
+        if count not in weights:
+            weights[count] = _seed_weights(x[:, :count], e[:, :count])
+        _, seeds = kmeans_plusplus(x[:, :count], n_clusters,
+                                   random_state=np.random.RandomState(random_state),
+                                   sample_weight=weights[count])
+        one_hot = np.zeros((len(x), n_clusters))
+        one_hot[seeds, np.arange(n_clusters)] = 1.0
+        columns.append(one_hot)
+    return np.concatenate(columns, axis=1)
+
+
+def _em_side_by_side(
+    x: np.ndarray, e: np.ndarray, resp: np.ndarray, axes: np.ndarray, owner: np.ndarray,
+    tol: float, max_iter: int, reg_covar: float, inner_steps: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """EM from the seeds' responsibilities ``resp`` (n, K) for the mixtures side by side, each
+    with uniform starting weights and sklearn's stopping rule on its own mean log-likelihood
+    (change below ``tol``, at most ``max_iter`` iterations). A mixture that stops leaves the
+    batch with the means and spreads of its last M-step. Returns means (K, d), spreads (K,),
+    and per mixture its iterations and whether it converged."""
     # one seed point each: spread 0, so s_m = reg_covar
-    means, variances = _m_step(x, e, resp, np.full(n_clusters, reg_covar), reg_covar, 1)
-    log_weights = np.full(n_clusters, -math.log(n_clusters))
-    bound, converged, n_iter = -np.inf, False, 0
-    for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
-        joint = _log_densities(x, e, means, variances) + log_weights
-        norm = _log_sum_exp(joint)
-        resp = np.exp(joint - norm[:, None])
-        means, variances = _m_step(x, e, resp, variances, reg_covar, inner_steps)
+    means, variances = _m_step(x, e, resp, np.full(len(owner), reg_covar), reg_covar, 1, axes)
+    sizes = np.bincount(owner)
+    log_weights = np.concatenate([np.full(m, -math.log(m)) for m in sizes])
+    final_means, final_variances = means.copy(), variances.copy()
+    n_iter, converged = np.zeros(len(sizes), dtype=np.intp), np.zeros(len(sizes), dtype=bool)
+    live, bound = np.arange(len(sizes)), np.full(len(sizes), -np.inf)  # per iterating mixture
+    rows = np.arange(len(owner))  # the iterating components' rows in final_means
+    for iteration in range(1, max_iter + 1):
+        joint = _log_densities(x, e, means, variances, axes) + log_weights
+        norm = _log_sum_exp(joint, owner)  # (mixtures, n)
+        resp = _exp(joint - norm.T[:, owner])
+        means, variances = _m_step(x, e, resp, variances, reg_covar, inner_steps, axes)
         mass = resp.sum(axis=0) + 10 * np.finfo(float).eps
-        log_weights = np.log(mass / mass.sum())
-        previous, bound = bound, float(norm.mean())
-        if abs(bound - previous) < tol:
-            converged = True
-            break
-    # The authors' soft assignment: uniform weights, whatever EM estimated.
-    joint = _log_densities(x, e, means, variances)
-    responsibilities = np.exp(joint - _log_sum_exp(joint)[:, None])
-    radii = component_radii(variances, responsibilities, e)
-    mss = float(separation_scores(means, radii).min())
-    return GMMFit(means, radii, responsibilities, n_iter, converged, mss, overlap(mss),
-                  variances)
+        log_weights = np.log(mass / np.add.reduceat(mass, _first_columns(owner))[owner])
+        previous, bound = bound, norm.mean(axis=1)
+        stopped = np.abs(bound - previous) < tol
+        n_iter[live], converged[live] = iteration, stopped
+        stopped |= iteration == max_iter
+        if stopped.any():
+            done = stopped[owner]
+            final_means[rows[done]], final_variances[rows[done]] = means[done], variances[done]
+            kept = ~done
+            means, variances, log_weights = means[kept], variances[kept], log_weights[kept]
+            axes, rows = axes[kept], rows[kept]
+            owner = (np.cumsum(~stopped) - 1)[owner[kept]]
+            live, bound = live[~stopped], bound[~stopped]
+            if not len(live):
+                break
+    return final_means, final_variances, n_iter, converged
 
 
 def component_radii(variances: np.ndarray, responsibilities: np.ndarray,
@@ -452,8 +606,7 @@ class NoiseAwareClusterer(UpdateClusterer):
         scaled, factor = scale_isotropically(self.projection_, self.scaler)
         excess = self.noise_variances_ - self.noise_variances_.min()
         self.excess_noise_ = np.repeat(excess[:, None] / factor**2, scaled.shape[1], axis=1)
-        fits = {m: fit_noise_aware_gmm(scaled[:, :dims[m]], self.excess_noise_[:, :dims[m]],
-                                       m, self.random_state, self.tol, self.max_iter)
-                for m in candidates}
+        fits = fit_noise_aware_gmms(scaled, self.excess_noise_, dims, self.random_state,
+                                    self.tol, self.max_iter)
         self._keep(fits, scaled[:, :dims[max(fits, key=lambda m: (fits[m].mss, -m))]])
         return self
