@@ -73,7 +73,7 @@ class LayerChain:
                              f"not {tuple(logits.shape)}")
         if not self.trained:
             return []
-        lowest = self.trained[0]
+        lowest, trained = self.trained[0], set(self.trained)
         found = []
         with torch.no_grad():
             grad = torch.softmax(logits, dim=1)
@@ -81,7 +81,7 @@ class LayerChain:
                 (y.shape[0], 1), -1.0, dtype=grad.dtype, device=grad.device))
             for index in range(len(self.kinds) - 1, lowest - 1, -1):
                 kind = self.kinds[index]
-                if kind == "linear" and index in self.trained:
+                if index in trained:  # only Linear layers are ever trained
                     found.append((self.layers[index], values[index], grad))
                 if index == lowest:
                     break
