@@ -13,6 +13,7 @@ from sklearn.preprocessing import StandardScaler
 
 from dpcfl_flwr.clustering import (
     UpdateClusterer,
+    gmm,
     overlap,
     project_updates,
     scale_points,
@@ -33,12 +34,18 @@ def _mixture(sizes, p, spread, noise, seed=0):
     return centres[labels] + rng.normal(scale=noise, size=(len(labels), p)), labels
 
 
-def test_projection_equals_standardised_pca_applied_to_raw_updates():
+@pytest.mark.parametrize("block", [1 << 18, 1_000, 7])
+def test_projection_equals_standardised_pca_applied_to_raw_updates(monkeypatch, block):
+    # columns come in blocks (one, three, and 429 with a ragged last one): each block's
+    # standardisation and its share of the projection must add up to the whole
+    monkeypatch.setattr(gmm, "_COLUMN_BLOCK", block)
     x, _ = _mixture([4, 5, 6], 3_000, 1.0, 0.5)
     x[:, 11] = 0.25  # a constant parameter, which StandardScaler leaves unscaled
+    x[:, 2_500] = -7.0
     reference = PCA(n_components=x.shape[0]).fit(StandardScaler().fit_transform(x)).transform(x)
-    np.testing.assert_allclose(np.abs(project_updates(x)), np.abs(reference[:, :2]), rtol=1e-7,
-                               atol=1e-8)
+    for axes in (2, 5):
+        np.testing.assert_allclose(np.abs(project_updates(x, axes)), np.abs(reference[:, :axes]),
+                                   rtol=1e-7, atol=1e-8)
 
 
 def test_separation_score_and_overlap_by_hand():
