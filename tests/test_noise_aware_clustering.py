@@ -18,6 +18,7 @@ from dpcfl_flwr.clustering import (
     debiased_projection,
     fit_noise_aware_gmm,
     fit_spherical_gmm,
+    noise_aware,
     residual_noise_variances,
     switch_round,
     update_gram,
@@ -210,10 +211,13 @@ def test_fits_side_by_side_are_each_the_plain_em_on_its_axes(seed, noise_kind):
     assert len(iterations) > 1  # some fits left the batch before others
 
 
-def test_the_projection_steps_are_their_plain_forms():
+@pytest.mark.parametrize("lanczos_from", [noise_aware.LANCZOS_FROM, 1])
+def test_the_projection_steps_are_their_plain_forms(monkeypatch, lanczos_from):
     """diag(G^-1) from a Cholesky factor, the centring by means and the top eigenpairs
-    alone against the eigendecompositions and n x n products they replace; axes agree up
-    to their sign, which scaling and the mixture do not see."""
+    alone (from LAPACK, and from Lanczos as at many silos) against the eigendecompositions
+    and n x n products they replace; axes agree up to their sign, which scaling and the
+    mixture do not see."""
+    monkeypatch.setattr(noise_aware, "LANCZOS_FROM", lanczos_from)
     truth, variances, updates = _updates(seed=2, n=24, p=3_000)
     gram, trained = update_gram(updates)
     scale = np.trace(gram) / len(gram)

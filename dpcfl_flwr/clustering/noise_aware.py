@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 import scipy.linalg
+import scipy.sparse.linalg
 from scipy.spatial.distance import cdist
 
 from .gmm import GMMFit, UpdateClusterer, overlap, scale_points, separation_scores
@@ -89,12 +90,32 @@ def _centred(matrix: np.ndarray) -> np.ndarray:
     return np.asarray(matrix - row[:, None] - matrix.mean(axis=0)[None, :] + row.mean())
 
 
+#: From this many silos on, the top eigenpairs come from ARPACK's Lanczos iteration on the
+#: dense matrix (n^2 per product) rather than LAPACK's tridiagonal reduction (n^3): at 1,000
+#: silos 0.04 s against 0.09 s a call, the same pairs to ~1e-14 (bench/scaling.py, server
+#: part); below it LAPACK is as fast and has no iteration that could stall.
+LANCZOS_FROM = 400
+
+
 def _top_eigenpairs(matrix: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``count`` largest eigenvalues of a symmetric matrix, largest first, and their
-    eigenvectors (columns). Asking LAPACK for these alone costs about a quarter of the full
-    decomposition at 1,000 silos."""
+    eigenvectors (columns): by Lanczos at ``LANCZOS_FROM`` rows or more (to machine
+    precision, from a fixed start vector so a run repeats itself; LAPACK if it does not
+    converge), else LAPACK asked for those pairs alone (about a quarter of the full
+    decomposition's cost at 1,000 silos)."""
     n = len(matrix)
-    values, vectors = scipy.linalg.eigh(matrix, subset_by_index=[max(n - count, 0), n - 1])
+    count = min(count, n)
+    if n >= LANCZOS_FROM and count < n // 4:
+        start = np.random.default_rng(0).standard_normal(n)
+        try:
+            values, vectors = scipy.sparse.linalg.eigsh(matrix, k=count, which="LA", v0=start,
+                                                        tol=0)
+        except scipy.sparse.linalg.ArpackNoConvergence:
+            pass
+        else:
+            order = np.argsort(values)[::-1]
+            return values[order], vectors[:, order]
+    values, vectors = scipy.linalg.eigh(matrix, subset_by_index=[n - count, n - 1])
     return values[::-1], vectors[:, ::-1]
 
 
@@ -121,19 +142,13 @@ def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray
     rank-``rank`` fit of the rest, refitted until it settles, at most ``iterations`` times
     (diagonal deletion, as heteroscedastic PCA does). Nothing a silo reports enters, so no
     report can leave its noise in (A13)."""
-    n = len(gram)
-    diagonal = np.zeros(n)
-    matrix = np.empty(gram.shape, order="F")
-    # Only the top ``rank`` eigenpairs enter: at 1,000 silos asking LAPACK for those alone
-    # is 3x cheaper than the full decomposition (bench/scaling.py, server part). LAPACK may
-    # overwrite its input, so each iteration refills one buffer (in LAPACK's column order, so
-    # it is not copied again) rather than building two new n x n arrays (8 MB each at 1,000
-    # silos).
-    top = [max(n - rank, 0), n - 1]
+    diagonal = np.zeros(len(gram))
+    # Only the top ``rank`` eigenpairs enter (:func:`_top_eigenpairs`), and each iteration
+    # changes only the diagonal of one n x n buffer (8 MB at 1,000 silos).
+    matrix = np.array(gram, dtype=np.float64)
     for _ in range(iterations):
-        matrix[...] = gram
         np.fill_diagonal(matrix, diagonal)
-        values, vectors = scipy.linalg.eigh(matrix, subset_by_index=top, overwrite_a=True)
+        values, vectors = _top_eigenpairs(matrix, rank)
         fitted = np.einsum("ik,k,ik->i", vectors, np.clip(values, 0.0, None), vectors)
         settled = np.abs(fitted - diagonal).max() <= 1e-6 * max(np.abs(fitted).max(), 1e-300)
         diagonal = fitted
