@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import publish  # noqa: E402
-from bench.process_cpu import DRIVER, ProcessCpuSampler  # noqa: E402
+from bench.process_cpu import DRIVER, SAMPLER, ProcessCpuSampler  # noqa: E402
 from dpcfl_flwr.deploy.localhost import LocalDeployment  # noqa: E402
 
 CORES = 2
@@ -58,6 +58,7 @@ def measure(clusters: str, idle_poll: float, settle: float, window: float) -> di
         finally:
             deployment.down()
     by_role.pop(DRIVER, None)  # this script sleeping
+    by_role.pop(SAMPLER, None)  # and its measuring
     return by_role
 
 

@@ -39,6 +39,7 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("dpcfl", "dpcfl supervisors"),
 )
 DRIVER = "benchmark driver"
+SAMPLER = "this sampling of /proc (in the driver)"
 STOLEN = "stolen by the hypervisor"
 OUTSIDE = "processes not started by the benchmark"
 
@@ -76,6 +77,7 @@ class ProcessCpuSampler:
     times: list[float] = field(default_factory=list)
     samples: list[dict[int, float]] = field(default_factory=list)
     machine: list[tuple[float, float]] = field(default_factory=list)  # (busy, steal) seconds
+    own: list[float] = field(default_factory=list)  # this sampler's own CPU seconds so far
     roles: dict[int, str] = field(default_factory=dict)
     round_ends: dict[int, tuple[float, float]] = field(default_factory=dict)  # round: (end, s)
 
@@ -114,6 +116,7 @@ class ProcessCpuSampler:
         self.times.append(time.time())
         self.samples.append(mine)
         self.machine.append(_machine())
+        self.own.append(time.thread_time())
 
     def _read_progress(self) -> None:
         if self._tail is None:
@@ -125,7 +128,8 @@ class ProcessCpuSampler:
     def cpu_between(self, start: float, end: float) -> dict[str, float]:
         """CPU seconds by role from the sample nearest ``start`` to the one nearest ``end``;
         processes born in between count from zero, ones that died count to their last
-        sample. Also the machine's other busy time and the time its hypervisor took."""
+        sample. Also the machine's other busy time, the time its hypervisor took, and the
+        sampling's own CPU, which is the driver's but not the measured run's work."""
         first_index, last_index = _nearest(self.times, start), _nearest(self.times, end)
         first = self.samples[first_index]
         latest: dict[int, float] = {}
@@ -137,6 +141,8 @@ class ProcessCpuSampler:
         (busy0, steal0), (busy1, steal1) = self.machine[first_index], self.machine[last_index]
         totals[OUTSIDE] = max(0.0, busy1 - busy0 - sum(totals.values()))
         totals[STOLEN] = steal1 - steal0
+        totals[SAMPLER] = self.own[last_index] - self.own[first_index]
+        totals[DRIVER] -= totals[SAMPLER]
         return dict(totals)
 
     def round_window(self, number: int) -> tuple[float, float]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench.process_cpu import DRIVER, STOLEN, ProcessCpuSampler, role_of
+from bench.process_cpu import DRIVER, SAMPLER, STOLEN, ProcessCpuSampler, role_of
 
 BURN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\n"
 
@@ -34,6 +34,22 @@ def test_child_cpu_is_counted_and_rounds_are_placed(tmp_path):
     assert finished - started == pytest.approx(end - start)
     assert 0.0 <= finished - end < 0.5
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_samplings_own_cpu_is_its_own_row_not_the_drivers():
+    """The sampler runs in the driver's process: its reading of /proc is CPU the measured run
+    does not get, so it is reported apart, and the driver's row is the driver's own work
+    (here none: it sleeps while the sampler reads /proc without pause)."""
+    with ProcessCpuSampler(interval=0.0) as sampler:
+        time.sleep(0.2)
+        start = time.time()
+        time.sleep(1.0)
+        end = time.time()
+        time.sleep(0.2)
+    by_role = sampler.cpu_between(start, end)
+    assert by_role[SAMPLER] > 0.1, by_role
+    assert abs(by_role[DRIVER]) < 0.05, by_role  # /proc counts in 10 ms ticks
 
 def test_roles_follow_the_command_line():
     assert role_of("python -m dpcfl_flwr.flower_compat.warm_runtime --runtime-api-address x") == (
