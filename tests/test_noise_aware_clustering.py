@@ -254,6 +254,15 @@ def test_the_projection_steps_are_their_plain_forms(monkeypatch, lanczos_from):
                                atol=1e-9 * np.abs(plain_axes).max())
 
 
+
+def test_where_lanczos_fails_lapack_answers():
+    """ARPACK cannot start on a zero matrix (all updates alike, or orthogonal to each
+    other): the pairs then come from LAPACK, as below LANCZOS_FROM silos, not an error."""
+    n = noise_aware.LANCZOS_FROM
+    values, vectors = noise_aware._top_eigenpairs(np.zeros((n, n)), 3)
+    assert values.tolist() == [0.0, 0.0, 0.0] and vectors.shape == (n, 3)
+    np.testing.assert_allclose(vectors.T @ vectors, np.eye(3), atol=1e-12)
+
 # --- updates in high dimension ----------------------------------------------------------------
 def _updates(seed: int = 0, p: int = 20_000, n: int = 20):
     """Two clusters at +-100 u (u a unit vector); per coordinate, half the silos of each

@@ -100,9 +100,9 @@ LANCZOS_FROM = 400
 def _top_eigenpairs(matrix: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``count`` largest eigenvalues of a symmetric matrix, largest first, and their
     eigenvectors (columns): by Lanczos at ``LANCZOS_FROM`` rows or more (to machine
-    precision, from a fixed start vector so a run repeats itself; LAPACK if it does not
-    converge), else LAPACK asked for those pairs alone (about a quarter of the full
-    decomposition's cost at 1,000 silos)."""
+    precision, from a fixed start vector so a run repeats itself), else, or when ARPACK
+    fails (no convergence, a zero matrix), LAPACK asked for those pairs alone (about a
+    quarter of the full decomposition's cost at 1,000 silos)."""
     n = len(matrix)
     count = min(count, n)
     if n >= LANCZOS_FROM and count < n // 4:
@@ -110,8 +110,8 @@ def _top_eigenpairs(matrix: np.ndarray, count: int) -> tuple[np.ndarray, np.ndar
         try:
             values, vectors = scipy.sparse.linalg.eigsh(matrix, k=count, which="LA", v0=start,
                                                         tol=0)
-        except scipy.sparse.linalg.ArpackNoConvergence:
-            pass
+        except scipy.sparse.linalg.ArpackError:  # no convergence, or a start it cannot
+            pass                                 # use (a zero matrix): LAPACK answers
         else:
             order = np.argsort(values)[::-1]
             return values[order], vectors[:, order]
