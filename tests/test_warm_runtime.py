@@ -31,7 +31,12 @@ from dpcfl_flwr import app_pin
 from dpcfl_flwr.config.settings import parse_node_config
 from dpcfl_flwr.deploy.silo_file import SiloFile, supernode_command
 from dpcfl_flwr.flower_compat import warm_runtime
-from dpcfl_flwr.flower_compat.direct_runtime import DirectRuntimeClient, direct_link, fab_check
+from dpcfl_flwr.flower_compat.direct_runtime import (
+    REMEMBERED_VERDICTS,
+    DirectRuntimeClient,
+    direct_link,
+    fab_check,
+)
 from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
 
 PACKAGE = Path(dpcfl_flwr.__file__).parent
@@ -245,6 +250,36 @@ def _interrupted_message(state, run_id: int, fab: bytes) -> str:
     state.store_message(message)
     return message.metadata.message_id
 
+
+
+def _stored_run(state, run_id: int, fab: bytes, version: str = FAB_VERSION) -> Task:
+    """A run of ``fab`` in a SuperNode's state, and a task of it."""
+    run = Run.create_empty(run_id)
+    run.fab_id, run.fab_version, run.fab_hash = FAB_ID, version, app_pin.fab_hash(fab)
+    state.store_run(run)
+    state.store_fab(Fab(run.fab_hash, fab, {}))
+    return Task(run_id=run_id, fab_hash=run.fab_hash)
+
+
+def test_a_fabs_verdict_is_remembered_by_its_own_hash_id_and_version(fab, monkeypatch):
+    judged = []
+    refusal = app_pin.refusal
+    monkeypatch.setattr(app_pin, "refusal", lambda *a: judged.append(a[1:]) or refusal(*a))
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state, check = factory.state(), fab_check(factory)
+    first = _stored_run(state, 1, fab)
+    assert [check(first) for _ in range(3)] == [(app_pin.fab_hash(fab), None)] * 3
+    assert judged == [(FAB_ID, FAB_VERSION)]  # unpacked and compared once, not per message
+    tampered = _added(fab, "dpcfl_flwr/extra.py", b"x = 1\n")
+    digest, refused = check(_stored_run(state, 2, tampered))
+    assert digest == app_pin.fab_hash(tampered) and "extra.py" in refused
+    _, refused = check(_stored_run(state, 3, fab, version="9.9.9"))  # same bytes, other run
+    assert "9.9.9" in refused
+    assert len(judged) == 3
+    for run_id in range(4, 4 + REMEMBERED_VERDICTS):  # a server sending ever new FABs ...
+        check(_stored_run(state, run_id, _added(fab, "x", str(run_id).encode())))
+    check(first)  # ... pushes the oldest verdicts out: judged again, not kept without bound
+    assert len(judged) == 3 + REMEMBERED_VERDICTS + 1
 
 @pytest.mark.parametrize("ended_by", ["the SuperNode dropped it", "the next run's message"])
 def test_a_stopped_runs_leftover_task_is_dropped_within_seconds(fab, task_identity, ended_by):
