@@ -16,9 +16,9 @@ from dpcfl_flwr.clustering import (
     UpdateClusterer,
     combine_noise,
     debiased_projection,
+    eigen,
     fit_noise_aware_gmm,
     fit_spherical_gmm,
-    noise_aware,
     residual_noise_variances,
     switch_round,
     update_gram,
@@ -211,13 +211,13 @@ def test_fits_side_by_side_are_each_the_plain_em_on_its_axes(seed, noise_kind):
     assert len(iterations) > 1  # some fits left the batch before others
 
 
-@pytest.mark.parametrize("lanczos_from", [noise_aware.LANCZOS_FROM, 1])
+@pytest.mark.parametrize("lanczos_from", [eigen.LANCZOS_FROM, 1])
 def test_the_projection_steps_are_their_plain_forms(monkeypatch, lanczos_from):
     """diag(G^-1) from a Cholesky factor, the centring by means and the top eigenpairs
     alone (from LAPACK, and from Lanczos as at many silos) against the eigendecompositions
     and n x n products they replace; axes agree up to their sign, which scaling and the
     mixture do not see."""
-    monkeypatch.setattr(noise_aware, "LANCZOS_FROM", lanczos_from)
+    monkeypatch.setattr(eigen, "LANCZOS_FROM", lanczos_from)
     truth, variances, updates = _updates(seed=2, n=24, p=3_000)
     gram, trained = update_gram(updates)
     scale = np.trace(gram) / len(gram)
@@ -258,8 +258,8 @@ def test_the_projection_steps_are_their_plain_forms(monkeypatch, lanczos_from):
 def test_where_lanczos_fails_lapack_answers():
     """ARPACK cannot start on a zero matrix (all updates alike, or orthogonal to each
     other): the pairs then come from LAPACK, as below LANCZOS_FROM silos, not an error."""
-    n = noise_aware.LANCZOS_FROM
-    values, vectors = noise_aware._top_eigenpairs(np.zeros((n, n)), 3)
+    n = eigen.LANCZOS_FROM
+    values, vectors = eigen.top_eigenpairs(np.zeros((n, n)), 3)
     assert values.tolist() == [0.0, 0.0, 0.0] and vectors.shape == (n, 3)
     np.testing.assert_allclose(vectors.T @ vectors, np.eye(3), atol=1e-12)
 

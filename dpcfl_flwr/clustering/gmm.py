@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.linalg
+
+from .eigen import top_eigenpairs
 
 # Columns are standardised and multiplied in blocks so that p = 11M parameters never needs
 # more than n x block floats beyond the update matrix itself.
@@ -54,13 +55,12 @@ def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
         scaled /= std
         gram += scaled @ scaled.T
         scalings.append((start, std))
-    count = min(n_components, n)
-    eigenvalues, eigenvectors = scipy.linalg.eigh(gram, subset_by_index=[n - count, n - 1])
-    singular = np.sqrt(np.clip(eigenvalues[::-1], 0.0, None))
+    eigenvalues, eigenvectors = top_eigenpairs(gram, n_components)
+    singular = np.sqrt(np.clip(eigenvalues, 0.0, None))
     if np.any(singular <= 1e-12 * max(singular.max(initial=0.0), 1.0)):
         raise ValueError("the updates span fewer than 2 directions; nothing to cluster")
-    axes = eigenvectors[:, ::-1] / singular
-    projection = np.zeros((n, count))
+    axes = eigenvectors / singular
+    projection = np.zeros((n, len(singular)))
     for start, std in scalings:
         block = np.asarray(x[:, start:start + _COLUMN_BLOCK], dtype=np.float64)
         # S^T V for this block's columns without forming S again: S = (X - 1 mean^T) / std,

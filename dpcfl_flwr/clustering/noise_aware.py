@@ -26,9 +26,9 @@ from typing import Literal
 
 import numpy as np
 import scipy.linalg
-import scipy.sparse.linalg
 from scipy.spatial.distance import cdist
 
+from .eigen import top_eigenpairs
 from .gmm import GMMFit, UpdateClusterer, overlap, scale_points, separation_scores
 
 NoiseSource = Literal["plan", "estimate", "larger"]
@@ -90,35 +90,6 @@ def _centred(matrix: np.ndarray) -> np.ndarray:
     return np.asarray(matrix - row[:, None] - matrix.mean(axis=0)[None, :] + row.mean())
 
 
-#: From this many silos on, the top eigenpairs come from ARPACK's Lanczos iteration on the
-#: dense matrix (n^2 per product) rather than LAPACK's tridiagonal reduction (n^3): at 1,000
-#: silos 0.04 s against 0.09 s a call, the same pairs to ~1e-14 (bench/scaling.py, server
-#: part); below it LAPACK is as fast and has no iteration that could stall.
-LANCZOS_FROM = 400
-
-
-def _top_eigenpairs(matrix: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``count`` largest eigenvalues of a symmetric matrix, largest first, and their
-    eigenvectors (columns): by Lanczos at ``LANCZOS_FROM`` rows or more (to machine
-    precision, from a fixed start vector so a run repeats itself), else, or when ARPACK
-    fails (no convergence, a zero matrix), LAPACK asked for those pairs alone (about a
-    quarter of the full decomposition's cost at 1,000 silos)."""
-    n = len(matrix)
-    count = min(count, n)
-    if n >= LANCZOS_FROM and count < n // 4:
-        start = np.random.default_rng(0).standard_normal(n)
-        try:
-            values, vectors = scipy.sparse.linalg.eigsh(matrix, k=count, which="LA", v0=start,
-                                                        tol=0)
-        except scipy.sparse.linalg.ArpackError:  # no convergence, or a start it cannot
-            pass                                 # use (a zero matrix): LAPACK answers
-        else:
-            order = np.argsort(values)[::-1]
-            return values[order], vectors[:, order]
-    values, vectors = scipy.linalg.eigh(matrix, subset_by_index=[n - count, n - 1])
-    return values[::-1], vectors[:, ::-1]
-
-
 def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
                  count: int) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients a (n, count) of the directions X^T a with the most signal per unit of
@@ -127,11 +98,11 @@ def _signal_axes(signal: np.ndarray, variances: np.ndarray | None,
     principal directions. Each column sums to 0, so no direction carries the common mean."""
     centred = _centred(signal)
     if variances is None:
-        values, vectors = _top_eigenpairs(centred, count)
+        values, vectors = top_eigenpairs(centred, count)
         return np.asarray(vectors - vectors.mean(axis=0)), values
     v = np.asarray(variances, dtype=np.float64)
     whiten = 1.0 / np.sqrt(np.maximum(v, max(v.max(), 1e-300) * 1e-12))
-    values, vectors = _top_eigenpairs(whiten[:, None] * centred * whiten[None, :], count)
+    values, vectors = top_eigenpairs(whiten[:, None] * centred * whiten[None, :], count)
     axes = whiten[:, None] * vectors
     return np.asarray(axes - axes.mean(axis=0)), values
 
@@ -143,12 +114,12 @@ def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray
     (diagonal deletion, as heteroscedastic PCA does). Nothing a silo reports enters, so no
     report can leave its noise in (A13)."""
     diagonal = np.zeros(len(gram))
-    # Only the top ``rank`` eigenpairs enter (:func:`_top_eigenpairs`), and each iteration
+    # Only the top ``rank`` eigenpairs enter (:func:`.eigen.top_eigenpairs`), and each iteration
     # changes only the diagonal of one n x n buffer (8 MB at 1,000 silos).
     matrix = np.array(gram, dtype=np.float64)
     for _ in range(iterations):
         np.fill_diagonal(matrix, diagonal)
-        values, vectors = _top_eigenpairs(matrix, rank)
+        values, vectors = top_eigenpairs(matrix, rank)
         fitted = np.einsum("ik,k,ik->i", vectors, np.clip(values, 0.0, None), vectors)
         settled = np.abs(fitted - diagonal).max() <= 1e-6 * max(np.abs(fitted).max(), 1e-300)
         diagonal = fitted
