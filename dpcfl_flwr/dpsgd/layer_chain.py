@@ -46,6 +46,7 @@ class LayerChain:
         self.trained = [i for i, layer in enumerate(self.layers)
                         if isinstance(layer, nn.Linear)
                         and any(p.requires_grad for p in layer.parameters(recurse=False))]
+        self._trained_set = frozenset(self.trained)  # the backward walk's membership test
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The input of every layer, and last the chain's output (the logits):
@@ -73,7 +74,7 @@ class LayerChain:
                              f"not {tuple(logits.shape)}")
         if not self.trained:
             return []
-        lowest, trained = self.trained[0], set(self.trained)
+        lowest, trained = self.trained[0], self._trained_set
         found = []
         with torch.no_grad():
             grad = torch.softmax(logits, dim=1)
