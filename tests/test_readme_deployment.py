@@ -114,9 +114,11 @@ def test_readme_real_silo_commands_run_end_to_end_and_after_a_superlink_restart(
               f"{time.monotonic() - restarted:.0f} s")
     finally:
         operator.kill_all()
-    for results in (first, second_run):
-        assert results["complete"] and len(results["clients"]) == SILOS
-        assert all(not c["dropped_rounds"] for c in results["clients"])
+    for out, results in (("run1", first), ("run2", second_run)):
+        said = "\n".join(line for line in operator.log(out).splitlines()
+                         if "WARNING" in line or "ERROR" in line)
+        assert results["complete"] and len(results["clients"]) == SILOS, f"{out}:\n{said}"
+        assert all(not c["dropped_rounds"] for c in results["clients"]), f"{out}:\n{said}"
 
 
 def _holder(address: str) -> str:

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 from flwr.app import Error, Message
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 from rich.console import Console
 
 from dpcfl_flwr.config.settings import parse_run_config
@@ -90,6 +91,39 @@ def test_a_silo_that_cannot_start_is_named_once_and_asked_again_only_now_and_the
     strategy.refresh_silos(grid)
     assert _cannot_start(caplog)[2:] == [f"silo on node {NODE + 5} cannot start: "
                                          "DataError: another problem"]
+
+
+class SiloOfflineAtFirst(ScriptedSilo):
+    """Silos in ``offline`` are first answered for by the SuperLink, with the reply Flower's
+    link state makes for a node that went offline with the message queued (as after a
+    SuperLink restart, until the silo's new session starts); then they answer themselves."""
+
+    offline: frozenset[int] = frozenset()
+    kind = "node_unavail"
+
+    def __call__(self, message: Message) -> Message:
+        if self.partition in self.offline and not getattr(self, "back", False):
+            self.back = True
+            return create_message_error_unavailable_res_message(message.metadata, self.kind)
+        return super().__call__(message)
+
+
+@pytest.mark.parametrize("kind", ["node_unavail", "msg_unavail"])
+def test_a_node_the_superlink_answers_for_is_waited_for_not_counted_as_unable_to_start(
+        server_task_identity, caplog, monkeypatch, kind):
+    """Every node present has a reply, one of them the SuperLink's: the wait must not end
+    there with that silo left out of the run, and nothing says it cannot start."""
+    monkeypatch.setattr(silos, "RETRY_UNREACHABLE_SECONDS", 0.0)
+    experiment, strategy, grid, _ = _setup(set())
+    silo = type("Silo", (SiloOfflineAtFirst,), {"offline": frozenset({3}), "kind": kind})
+    first = grid.responders[NODE]
+    grid.responders[NODE + 3] = silo(3, first.layout, first.centres)
+    with caplog.at_level(logging.INFO):
+        strategy.discover(grid, experiment.expected_clients, wait=600)
+    assert sorted(strategy.silos) == list(range(len(TRUTH)))
+    assert not _cannot_start(caplog) and "can run" not in caplog.text
+    assert f"node {NODE + 3} did not answer" in caplog.text
+    assert len(grid.of_type("query")) == len(TRUTH) + 1
 
 
 def test_required_clients_stop_a_run_with_too_few_silos_before_any_trains(

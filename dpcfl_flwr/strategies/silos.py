@@ -4,6 +4,14 @@ Silos are keyed by their partition id, not by Flower's node id: a silo that rest
 back with a new node id but the same identity, its ledger and its cluster assignment. A node
 whose silo cannot start (its answer to the ``query`` message is an error) is asked again every
 :data:`RETRY_FAILED_SECONDS`, since its operator may fix it while the run waits.
+
+Not every error reply is the silo's answer. The SuperLink answers for a node that went
+offline with the query in its queue (Flower's ``NODE_UNAVAILABLE`` and the two
+message-unavailable codes), and so it does for a node whose session ended with the query in
+hand (flower_compat/ended_sessions.py). That happens when a silo reconnects: after a
+SuperLink restart, a node stays listed as online until its last session's heartbeat lapses,
+and only then can its SuperNode start a new one. Such a node has not answered: the wait goes
+on for it, and it is asked again after :data:`RETRY_UNREACHABLE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from ..config.settings import ExperimentConfig
@@ -26,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 #: How often (s) a node whose silo could not start is asked again (its operator may fix it).
 RETRY_FAILED_SECONDS = 30.0
+#: How often (s) a node the SuperLink answered for (it was offline) is asked again.
+RETRY_UNREACHABLE_SECONDS = 5.0
+#: Error codes the SuperLink puts in a reply when the silo did not answer at all.
+UNREACHABLE = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE,
+                         ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
 
 # what a silo says of itself when queried, in SiloInfo's order
 SILO_FIELDS = ("partition-id", "true-cluster", "num-train", "epsilon-budget", "delta",
@@ -38,10 +52,17 @@ class TooFewSilos(RuntimeError):
 
 @dataclass
 class FailedNode:
-    """A node whose silo answered the query with an error (it cannot start)."""
+    """A node whose query came back as an error: its silo's (it cannot start), or the
+    SuperLink's for a silo that did not answer (``answered`` False)."""
 
     reason: str
     asked: float  # time.monotonic() of that query, s
+    answered: bool = True
+
+    def due(self, now: float) -> bool:
+        """Whether the node is to be asked again at ``now`` (time.monotonic(), s)."""
+        retry = RETRY_FAILED_SECONDS if self.answered else RETRY_UNREACHABLE_SECONDS
+        return now - self.asked >= retry
 
 
 def _nodes(nodes: list[int], shown: int = 4) -> str:
@@ -86,7 +107,7 @@ class SiloRoster:
         deadline = time.monotonic() + wait
         while True:
             present = self.refresh_silos(grid)
-            answered = all(n in self.failed or n in self._known_nodes() for n in present)
+            answered = all(n in self._known_nodes() or self._cannot_run(n) for n in present)
             if (len(self.silos) >= target or time.monotonic() >= deadline
                     or (answered and len(present) >= target)):
                 break
@@ -101,10 +122,10 @@ class SiloRoster:
         known = self._known_nodes()
         by_reason: dict[str, list[int]] = {}
         for node in present:
-            if node in self.failed and node not in known:
+            if node not in known and self._cannot_run(node):
                 by_reason.setdefault(self.failed[node].reason, []).append(node)
         failed = sum(len(nodes) for nodes in by_reason.values())
-        silent = len([n for n in present if n not in known and n not in self.failed])
+        silent = len([n for n in present if n not in known and not self._cannot_run(n)])
         parts = []
         if failed:
             parts.append(f"{failed} failed to start: " + "; ".join(
@@ -128,6 +149,10 @@ class SiloRoster:
     def _known_nodes(self) -> set[int]:
         return {s.node_id for s in self.silos.values()}
 
+    def _cannot_run(self, node: int) -> bool:
+        """Whether ``node``'s silo itself answered that it cannot start."""
+        return node in self.failed and self.failed[node].answered
+
     def refresh_silos(self, grid: Grid) -> list[int]:
         """Query the nodes the server has not heard from (new silos, or restarted ones), and
         again every :data:`RETRY_FAILED_SECONDS` the nodes whose silo could not start; returns
@@ -138,7 +163,7 @@ class SiloRoster:
         known = self._known_nodes()
         now = time.monotonic()
         ask = [n for n in present if n not in known and (
-            n not in self.failed or now - self.failed[n].asked >= RETRY_FAILED_SECONDS)]
+            n not in self.failed or self.failed[n].due(now))]
         if not ask:
             return present
         messages = {node: Message(RecordDict({CONFIG: ConfigRecord({"server-round": 0})}),
@@ -146,8 +171,11 @@ class SiloRoster:
         result = exchange(grid, messages, timeout=min(self.experiment.round_timeout, 600.0))
         for node, message in result.replies.items():
             if message.has_error():
-                self._cannot_start(node, message.error.reason or f"error code {message.error.code}",
-                                   now)
+                reason = message.error.reason or f"error code {message.error.code}"
+                if message.error.code in UNREACHABLE:
+                    self._unreachable(node, reason, now)
+                else:
+                    self._cannot_start(node, reason, now)
                 continue
             try:
                 _, fields = reply_numbers(message, SILO_FIELDS, SILO)
@@ -173,6 +201,15 @@ class SiloRoster:
         self.failed[node] = FailedNode(reason, asked)
         if previous is None or previous.reason != reason:
             logger.error("silo on node %d cannot start: %s", node, reason)
+
+    def _unreachable(self, node: int, reason: str, asked: float) -> None:
+        """Remember that the SuperLink answered for ``node`` (offline, or its session ended)
+        and ask it again soon; said once per node, at info level: a reconnecting silo is
+        expected to do this."""
+        if node not in self.failed or self.failed[node].answered:
+            logger.info("node %d did not answer (%s); asking it again in %g s", node,
+                        " ".join(str(reason).split()), RETRY_UNREACHABLE_SECONDS)
+        self.failed[node] = FailedNode(reason, asked, answered=False)
 
     def adopt(self, restored: dict[int, SiloInfo]) -> None:
         """A resumed run's silos (``restored``, by partition, from its checkpoint): one that
