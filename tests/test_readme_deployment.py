@@ -115,8 +115,10 @@ def test_readme_real_silo_commands_run_end_to_end_and_after_a_superlink_restart(
     finally:
         operator.kill_all()
     for out, results in (("run1", first), ("run2", second_run)):
-        said = "\n".join(line for line in operator.log(out).splitlines()
-                         if "WARNING" in line or "ERROR" in line)
+        said = "\n".join([line for line in operator.log(out).splitlines()
+                          if "WARNING" in line or "ERROR" in line]
+                         + [f"silo-{i:02d}: {line}" for i in range(SILOS)
+                            for line in operator.log(f"silo-{i:02d}").splitlines()[-8:]])
         assert results["complete"] and len(results["clients"]) == SILOS, f"{out}:\n{said}"
         assert all(not c["dropped_rounds"] for c in results["clients"]), f"{out}:\n{said}"
 
