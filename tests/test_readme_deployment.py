@@ -92,6 +92,8 @@ def test_readme_real_silo_commands_run_end_to_end_and_after_a_superlink_restart(
                     for a in client]
             operator.start(f"silo-{i:02d}", [*silo, "--superlink", f"127.0.0.1:{fleet}",
                                              "--runtime-port", str(free_port()), *SMALL_SILO])
+        for i in range(SILOS):  # connected (a silo that is not fails here, with its log)
+            operator.wait_for(f"silo-{i:02d}", "SuperNode ID: ", timeout=300)
         first = _submitted(operator, submit, api, "run1")
         print(f"\nREADME deployment, first run: {time.monotonic() - started:.0f} s")
 
