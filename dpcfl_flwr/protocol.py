@@ -45,6 +45,10 @@ BAD_REQUEST = 4003
 #: with private metrics) and charged: a run the server resumed after the round's first
 #: message had reached the silo. The silo takes part in the run's next rounds.
 ROUND_REPEATED = 4004
+#: Flower's error codes of a reply the SuperLink writes itself because the silo gave none:
+#: the message expired (3), its reply expired (4), or the node is offline (5). Wire values
+#: of Flower's message protocol (its ``ErrorCode``), checked against it in the tests.
+NOT_ANSWERED = frozenset({3, 4, 5})
 
 
 def cluster_key(cluster: int) -> str:

@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
 from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 from rich.console import Console
 
 from dpcfl_flwr.config.settings import parse_run_config
-from dpcfl_flwr.protocol import METRICS, SILO_FAILED, ModelLayout, one_record
+from dpcfl_flwr.protocol import METRICS, NOT_ANSWERED, SILO_FAILED, ModelLayout, one_record
 from dpcfl_flwr.results.recorder import RunRecorder
 from dpcfl_flwr.runs.progress import describe_round, summary_table
 from dpcfl_flwr.server_app import initial_arrays
@@ -124,6 +125,12 @@ def test_a_node_the_superlink_answers_for_is_waited_for_not_counted_as_unable_to
     assert not _cannot_start(caplog) and "can run" not in caplog.text
     assert f"node {NODE + 3} did not answer" in caplog.text
     assert len(grid.of_type("query")) == len(TRUTH) + 1
+
+
+def test_the_codes_of_replies_the_superlink_writes_are_flowers():
+    flowers = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+               ErrorCode.NODE_UNAVAILABLE}
+    assert flowers == NOT_ANSWERED
 
 
 def test_required_clients_stop_a_run_with_too_few_silos_before_any_trains(

@@ -22,12 +22,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from ..config.settings import ExperimentConfig
 from ..methods.base import SiloInfo
-from ..protocol import BUDGET_EXCEEDED, CONFIG, ROUND_REPEATED, SILO
+from ..protocol import BUDGET_EXCEEDED, CONFIG, NOT_ANSWERED, ROUND_REPEATED, SILO
 from .exchange import exchange, pause
 from .replies import reply_numbers
 
@@ -37,9 +36,6 @@ logger = logging.getLogger(__name__)
 RETRY_FAILED_SECONDS = 30.0
 #: How often (s) a node the SuperLink answered for (it was offline) is asked again.
 RETRY_UNREACHABLE_SECONDS = 5.0
-#: Error codes the SuperLink puts in a reply when the silo did not answer at all.
-UNREACHABLE = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE,
-                         ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
 
 # what a silo says of itself when queried, in SiloInfo's order
 SILO_FIELDS = ("partition-id", "true-cluster", "num-train", "epsilon-budget", "delta",
@@ -172,7 +168,7 @@ class SiloRoster:
         for node, message in result.replies.items():
             if message.has_error():
                 reason = message.error.reason or f"error code {message.error.code}"
-                if message.error.code in UNREACHABLE:
+                if message.error.code in NOT_ANSWERED:
                     self._unreachable(node, reason, now)
                 else:
                     self._cannot_start(node, reason, now)
