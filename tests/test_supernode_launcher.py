@@ -22,6 +22,7 @@ from dpcfl_flwr.flower_compat.supernode import (
     shorten_waits,
     skip_connectivity_watch,
     slow_runtime_api_tick,
+    stop_after_a_failed_heartbeat,
 )
 
 
@@ -155,3 +156,34 @@ def test_the_channels_connectivity_watch_is_left_out(monkeypatch):
     time.sleep(0.1)
     assert not _watched(quiet)
     quiet.close()
+
+
+def _ended_after_a_refused_heartbeat(sender_class: type) -> object:
+    """A started ``sender_class`` whose first heartbeat raised, as the gRPC heartbeat does
+    when a SuperLink restarted without its state refuses the node id; its thread has ended."""
+    def refused() -> bool:
+        raise RuntimeError("UNAUTHENTICATED: Invalid node ID (raised on purpose)")
+
+    sender = sender_class(refused)
+    sender.start()
+    sender._thread.join(timeout=10)
+    assert not sender._thread.is_alive()
+    return sender
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_supernode_whose_heartbeat_was_refused_still_says_goodbye():
+    from flwr.supercore.heartbeat import HeartbeatSender
+
+    # Flower's own: the goodbye's stop raises, and the SuperNode exits 1
+    with pytest.raises(RuntimeError, match="not running"):
+        _ended_after_a_refused_heartbeat(HeartbeatSender).stop()
+    patched = type("Sender", (HeartbeatSender,), {})
+    stop_after_a_failed_heartbeat(patched)
+    _ended_after_a_refused_heartbeat(patched).stop()  # returns
+    beats = threading.Event()
+    alive = patched(lambda: beats.set() or True)  # a live sender still stops and joins
+    alive.start()
+    assert beats.wait(10)
+    alive.stop()
+    assert not alive._thread.is_alive()

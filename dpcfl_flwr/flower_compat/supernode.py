@@ -26,7 +26,15 @@ id in the Flower home and, finding it at the next start, ends that stale session
 before it asks to be activated (:class:`SessionMemory`); Flower's SuperLink would otherwise
 refuse it until the old session's heartbeat expires (~60 s).
 
-All of the above is latency tuning, applied only while the gate of
+A SuperLink that restarts without its state (``--in-memory``) no longer knows the silo's node
+id, and the SuperNode's next heartbeat is refused ("Invalid node ID"), which ends Flower's
+heartbeat thread. The SuperNode then stops gracefully, but its goodbye first stops that thread
+and Flower raises because it is no longer running: the SuperNode exited 1, which its
+supervisor reads as a failure and ends the silo, where it restarts a SuperNode that lost its
+SuperLink (``deploy/silo_supervisor.py``). :func:`stop_after_a_failed_heartbeat` lets the
+goodbye go on. That is not tuning: it applies whatever the gate says.
+
+The rest of the above is latency tuning, applied only while the gate of
 :mod:`dpcfl_flwr.flower_compat` is open. The app pin is not: the SuperNode always answers its
 ClientApp tasks from its own process (:mod:`.direct_runtime`), for FABs that ship the installed
 app only, and on a Flower release other than the supported one the launcher refuses to start
@@ -224,6 +232,20 @@ def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK)
 
 
 
+def stop_after_a_failed_heartbeat(sender_class: type) -> None:
+    """Make ``sender_class.stop`` (Flower's ``HeartbeatSender``) return where its thread has
+    already ended, a heartbeat having raised, instead of raising RuntimeError."""
+    stop = sender_class.stop
+
+    def stop_even_if_ended(self: Any) -> None:
+        if self._thread.is_alive():
+            stop(self)
+        else:
+            self._stop_event.set()
+
+    setattr(sender_class, "stop", stop_even_if_ended)  # noqa: B010
+
+
 def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message: bool,
                   load_app: Callable[[], ClientApp]) -> None:
     """Run ``flower-supernode --isolation process <flower_arguments>`` in this process,
@@ -231,6 +253,7 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
     unless ``per_message``) and, with the tuning on, with the shortened waits (``idle_poll``
     seconds when idle), the slow Runtime API tick, no connectivity watch and the session
     memory. Returns or raises SystemExit as Flower's SuperNode does."""
+    from flwr.supercore.heartbeat import HeartbeatSender
     from flwr.supercore.utils import get_flwr_home
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
@@ -239,6 +262,7 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
     from .direct_runtime import serve_in_supernode
 
     reply_stored = threading.Event()
+    stop_after_a_failed_heartbeat(HeartbeatSender)
     if gate.TUNING:
         import uvicorn
 
@@ -258,4 +282,4 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
 
 __all__ = ["FLOWER_IDLE_WAIT", "FLOWER_REPLY_WAIT", "SessionMemory", "ShortWaits",
            "remember_session", "run_supernode", "session_file", "shorten_waits",
-           "skip_connectivity_watch", "slow_runtime_api_tick"]
+           "skip_connectivity_watch", "slow_runtime_api_tick", "stop_after_a_failed_heartbeat"]
