@@ -232,7 +232,7 @@ def slow_runtime_api_tick(server_class: type, seconds: float = RUNTIME_API_TICK)
 
 
 
-def stop_after_a_failed_heartbeat(sender_class: type) -> None:
+def stop_after_a_failed_heartbeat(sender_class: Any) -> None:
     """Make ``sender_class.stop`` (Flower's ``HeartbeatSender``) return where its thread has
     already ended, a heartbeat having raised, instead of raising RuntimeError."""
     stop = sender_class.stop
