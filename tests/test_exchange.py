@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
+from dpcfl_flwr.strategies import exchange as exchange_module
 from dpcfl_flwr.strategies.exchange import (
     BACKOFF,
     MAX_POLL_SECONDS,
@@ -29,6 +31,8 @@ class SlowGrid(GridDouble):
         self.visible_at: dict[str, float] = {}
         self.pulls = self.pushes = 0
         self.held = 0.0  # seconds an empty pull waits, as a holding SuperLink's does
+        # ("pull", replies it brought) and ("wait", seconds the exchange asked for), in order
+        self.events: list[tuple[str, float]] = []
 
     @staticmethod
     def _answer(message: Message) -> Message:
@@ -51,7 +55,27 @@ class SlowGrid(GridDouble):
             time.sleep(max(0.0, min(first, now + self.held) - now))
             now = time.monotonic()
             ready = [i for i in message_ids if self.visible_at.get(i, float("inf")) <= now]
+        self.events.append(("pull", len(ready)))
         return super().pull_messages(ready)
+
+    def waits_after(self, brought: Callable[[float], bool]) -> list[float]:
+        """The waits the exchange asked for right after a pull whose count of replies
+        satisfies ``brought``."""
+        return [then[1] for now, then in zip(self.events, self.events[1:], strict=False)
+                if now[0] == "pull" and brought(now[1]) and then[0] == "wait"]
+
+
+@pytest.fixture(autouse=True)
+def recorded_waits(monkeypatch):
+    """The exchange's waits between polls are slept as asked and noted in the grid's events.
+    The tests check those asked-for waits, not wall time: a busy machine makes every pull and
+    sleep take longer, which only shortens the waits the exchange asks for next."""
+    def wait(grid, seconds: float) -> None:
+        if isinstance(grid, SlowGrid):
+            grid.events.append(("wait", seconds))
+        time.sleep(seconds)
+
+    monkeypatch.setattr(exchange_module, "wait_for_replies", wait)
 
 
 def _messages(nodes):
@@ -79,26 +103,27 @@ def test_only_a_remote_grid_is_polled_less_often():
 
 @pytest.mark.usefixtures("server_task_identity")
 def test_a_silent_second_costs_a_handful_of_polls_and_trickling_replies_arrive_fast():
-    # One silo is slow (1.2 s); the others reply 0.1 s apart after it, as silos finish.
-    after = {1: 1.2, 2: 1.3, 3: 1.4, 4: 1.5}
+    # One silo is slow (1.2 s); the others reply 0.1 s apart later, as silos finish.
+    after = {1: 1.2, 2: 1.9, 3: 2.0, 4: 2.1}
     grid = SlowGrid(after)
-    started = time.monotonic()
     result = exchange(grid, _messages(after), timeout=10.0)
-    elapsed = time.monotonic() - started
     assert sorted(result.replies) == [1, 2, 3, 4] and not result.missing
-    # Polling every 50 ms would take ~30 pulls; backing off takes about a third of that.
-    assert grid.pulls <= 14
-    # The first reply can wait up to one backed-off interval; the rest follow within ~50 ms.
-    assert elapsed <= 1.5 + MAX_POLL_SECONDS + 0.2
+    # Polling every 50 ms would take ~42 pulls; backing off takes under half of that.
+    assert grid.pulls <= 17
+    # While nothing arrives the waits grow to at most the ceiling; after a pull that brought
+    # a reply the next one comes within 50 ms, so trickling replies are not left waiting.
+    assert max(grid.waits_after(lambda n: n == 0)) <= MAX_POLL_SECONDS
+    assert grid.waits_after(lambda n: n > 0)
+    assert max(grid.waits_after(lambda n: n > 0)) <= POLL_SECONDS
 
 
 @pytest.mark.usefixtures("server_task_identity")
 def test_replies_that_never_come_are_missing_after_the_timeout():
     grid = SlowGrid({1: 0.0, 2: 60.0})
-    started = time.monotonic()
     result = exchange(grid, _messages([1, 2]), timeout=0.8)
     assert list(result.replies) == [1] and result.missing == [2]
-    assert time.monotonic() - started < 0.8 + 0.2
+    # no wait reaches past the timeout (the last is cut at it)
+    assert sum(seconds for kind, seconds in grid.events if kind == "wait") <= 0.8
 
 
 @pytest.mark.usefixtures("server_task_identity")
@@ -124,7 +149,7 @@ def test_a_poll_the_link_held_is_not_followed_by_a_wait():
     # deaf for a third of the time (here: the reply collected at ~2.84 s).
     grid = SlowGrid({1: 2.5})
     grid.held = 0.3
-    started = time.monotonic()
     result = exchange(grid, _messages([1]), timeout=5.0)
     assert list(result.replies) == [1]
-    assert time.monotonic() - started < 2.5 + 0.15
+    # each wait counts from its poll's start, so the 0.3 s held comes off it
+    assert max(grid.waits_after(lambda n: n == 0)) <= MAX_POLL_SECONDS - grid.held + 1e-9
