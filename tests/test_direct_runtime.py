@@ -128,15 +128,21 @@ def _wait_for(condition, seconds: float = 10.0) -> None:
 
 
 class _CountingFactory(NodeStateFactory):
-    """Flower's factory, counting the runtime's looks at the state (one per AcquireTask)."""
+    """Flower's factory, counting the runtime's looks at the state (one per AcquireTask);
+    once ``ending``, a look ends the runtime's thread (SystemExit, as the SuperNode's own end
+    would), so the test leaves no thread polling behind it."""
 
     looks = 0
+    ending = False
 
     def state(self):
         self.looks += 1
+        if self.ending:
+            raise SystemExit(0)
         return super().state()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # its end
 def test_the_supernode_starts_the_runtime_with_its_api_and_its_loop_wakes_it():
     factory = _CountingFactory(ObjectStoreFactory())
     started = object()
@@ -157,3 +163,7 @@ def test_the_supernode_starts_the_runtime_with_its_api_and_its_loop_wakes_it():
     assert loop._pull_and_store_message(state=None) == 7  # a message stored: look at once
     _wait_for(lambda: factory.looks > first, seconds=5)  # well before the 10 s poll
     assert thread.is_alive() and not done.is_set()  # no task in the state: back to waiting
+    factory.ending, runs = True, iter([7])
+    loop._pull_and_store_message(state=None)  # wakes it for the look that ends it
+    thread.join(timeout=10)
+    assert not thread.is_alive()
