@@ -147,8 +147,14 @@ def test_the_channels_connectivity_watch_is_left_out(monkeypatch):
     monkeypatch.setattr(connection, "create_channel", flowers)  # restored afterwards
     # Flower's channel: a subscription starts gRPC's thread that polls the channel at 5 Hz.
     plain = flowers(server_address="127.0.0.1:9", insecure=True)
-    plain.subscribe(lambda state: None)
+    watcher = lambda state: None  # noqa: E731
+    plain.subscribe(watcher)
     assert _watched(plain)
+    plain.unsubscribe(watcher)  # gRPC's thread then ends by itself, not on a closed channel
+    deadline = time.monotonic() + 10
+    while _watched(plain):
+        assert time.monotonic() < deadline, "gRPC's poll thread outlived its last subscriber"
+        time.sleep(0.05)
     plain.close()
     assert skip_connectivity_watch(connection)
     quiet = connection.create_channel(server_address="127.0.0.1:9", insecure=True)
