@@ -301,3 +301,25 @@ def test_kept_certificates_get_a_new_superlink_certificate_when_a_name_is_missin
     paths.ca_key.unlink()
     with pytest.raises(ValueError, match="ca.key is not here to sign it"):
         keep_certificates(tmp_path, ["superlink.example.org"], [])
+
+
+def test_free_ports_are_drawn_below_the_kernels_ephemeral_range(monkeypatch):
+    from dpcfl_flwr.deploy import localhost
+
+    floor = int(localhost.EPHEMERAL_RANGE.read_text().split()[0])
+    drawn = {free_port() for _ in range(40)}
+    assert all(floor - localhost.FREE_PORT_SPAN <= port < floor for port in drawn)
+    assert len(drawn) > 30  # at random, not one port again and again
+    for port in list(drawn)[:5]:  # free: a server can listen there
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+    # a port taken is never given: every draw hitting it, the kernel picks one
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with monkeypatch.context() as patch:
+            patch.setattr(localhost.random.SystemRandom, "randrange", lambda self, a, b: port)
+            assert free_port() != port
+    monkeypatch.setattr(localhost, "EPHEMERAL_RANGE", localhost.Path("/nonexistent"))
+    assert free_port() >= floor  # no range known: the kernel's pick

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,7 +28,32 @@ DPCFL = [str(BIN_DIR / "dpcfl")]
 FLWR = str(BIN_DIR / "flwr")
 
 
+#: Ports :func:`free_port` draws from end where the kernel's ephemeral range begins.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FREE_PORT_SPAN = 12000  # how many ports below that range it draws from
+
+
 def free_port() -> int:
+    """A TCP port nothing is bound to on 127.0.0.1 now, for a server started next.
+
+    Drawn at random below the kernel's ephemeral range, where it can be: the kernel gives
+    ports of that range to outgoing connections as their source ports, so a port it handed
+    out there could be taken by another process's connection before the server binds it (a
+    silo whose runtime port was taken so would not start). Where the range leaves no room
+    below it, the kernel picks one."""
+    try:
+        floor = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        floor = 0
+    draw = random.SystemRandom()
+    for _ in range(100 if floor - FREE_PORT_SPAN >= 1024 else 0):
+        port = draw.randrange(floor - FREE_PORT_SPAN, floor)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -102,7 +128,7 @@ class LocalDeployment:
                  "--nodes", str(self.silos + 1))
         self.run("topology", "silos", "--clusters", self.clusters, "--out", "clients",
                  "--superlink", f"127.0.0.1:{self.fleet}",
-                 "--runtime-port-base", str(free_port() % 20000 + 30000))
+                 "--runtime-port-base", str(free_port()))
         keys = [arg for i in range(self.silos) for arg in ("--register",
                                                            f"certs/nodes/silo-{i:02d}.pub")]
         self._server = ["server", "--certs", "certs", "--fleet-address",
