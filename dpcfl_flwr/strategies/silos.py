@@ -61,6 +61,11 @@ class FailedNode:
         return now - self.asked >= retry
 
 
+def _one_line(reason: object) -> str:
+    """A failure's reason as one log line, whatever the silo or the SuperLink sent."""
+    return " ".join(str(reason).split())
+
+
 def _nodes(nodes: list[int], shown: int = 4) -> str:
     listed = ", ".join(str(n) for n in sorted(nodes)[:shown])
     more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
@@ -150,8 +155,9 @@ class SiloRoster:
         return node in self.failed and self.failed[node].answered
 
     def refresh_silos(self, grid: Grid) -> list[int]:
-        """Query the nodes the server has not heard from (new silos, or restarted ones), and
-        again every :data:`RETRY_FAILED_SECONDS` the nodes whose silo could not start; returns
+        """Query the nodes the server has not heard from (new silos, or restarted ones), again
+        every :data:`RETRY_FAILED_SECONDS` the nodes whose silo could not start, and every
+        :data:`RETRY_UNREACHABLE_SECONDS` those the SuperLink answered for; returns
         the ids of the nodes present."""
         present = list(grid.get_node_ids())
         for gone in set(self.failed) - set(present):
@@ -192,7 +198,7 @@ class SiloRoster:
     def _cannot_start(self, node: int, reason: str, asked: float) -> None:
         """Remember why ``node``'s silo cannot start; say so once (and when the reason changes),
         not at every query."""
-        reason = " ".join(str(reason).split())  # one log line, whatever the silo sent
+        reason = _one_line(reason)
         previous = self.failed.get(node)
         self.failed[node] = FailedNode(reason, asked)
         if previous is None or previous.reason != reason:
@@ -202,9 +208,10 @@ class SiloRoster:
         """Remember that the SuperLink answered for ``node`` (offline, or its session ended)
         and ask it again soon; said once per node, at info level: a reconnecting silo is
         expected to do this."""
+        reason = _one_line(reason)
         if node not in self.failed or self.failed[node].answered:
-            logger.info("node %d did not answer (%s); asking it again in %g s", node,
-                        " ".join(str(reason).split()), RETRY_UNREACHABLE_SECONDS)
+            logger.info("node %d did not answer (%s); asking it again in %g s", node, reason,
+                        RETRY_UNREACHABLE_SECONDS)
         self.failed[node] = FailedNode(reason, asked, answered=False)
 
     def adopt(self, restored: dict[int, SiloInfo]) -> None:
