@@ -293,10 +293,12 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
 def test_install_patches_only_with_the_tuning_on(monkeypatch):
     from flwr.supercore import sql_mixin
 
-    # what install patches, restored afterwards (the tests below compare with Flower's own)
-    for state_class in (InMemoryLinkState, SqlLinkState):
-        monkeypatch.setattr(state_class, "claim_task", state_class.claim_task)
-    monkeypatch.setattr(sql_mixin, "SQLITE_PRAGMAS", sql_mixin.SQLITE_PRAGMAS)
+    # Everything install may rebind, restored afterwards: later tests in this process (other
+    # files' too, when a worker runs several) compare with Flower's own classes.
+    for patched in (InMemoryLinkState, SqlLinkState, FleetServicer, sql_mixin, runtime_handlers):
+        for name, value in list(vars(patched).items()):
+            if not name.startswith("__"):
+                monkeypatch.setattr(patched, name, value)
     monkeypatch.setattr(flower_compat.gate, "TUNING", False)  # another Flower, or switched off
     assert not superlink.install(10.0, 1.0)
     monkeypatch.setattr(flower_compat.gate, "TUNING", True)
