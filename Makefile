@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/dpcfl simulate --config examples/quick.toml --out results/quick --overwrite
 
+# Two workers, a test file each at a time (tests of one file share fixtures): the suite's
+# many single-process tests leave a core idle otherwise. tests/conftest.py hands out the
+# files with slow tests first.
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check dpcfl_flwr tests

@@ -1,6 +1,9 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the order in which test workers take the files."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
@@ -37,3 +40,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _slow_marks(config: pytest.Config, test_file: str) -> int:
+    """How many ``pytest.mark.slow`` marks ``test_file`` (a path from the root) holds, read
+    from its text: the scheduler runs before any worker reports its tests' marks."""
+    try:
+        return (Path(config.rootpath) / test_file).read_text().count("pytest.mark.slow")
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """With the tests spread over workers file by file (``-n 2 --dist loadfile``, as
+    ``make test`` runs them), the files holding slow tests are handed out first, those with
+    the most slow tests first; the many quick files then fill the gaps. pytest-xdist orders
+    files by their number of tests alone, which left the long deployment files to the end,
+    where one worker ran them while the other had nothing left. Other ``--dist`` modes keep
+    pytest-xdist's own scheduler."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "slow_files_first", False):  # once, on the whole queue
+                order = sorted(self.workqueue, key=lambda f: -_slow_marks(config, f))
+                self.workqueue = OrderedDict((f, self.workqueue[f]) for f in order)
+                self.slow_files_first = True
+            super()._assign_work_unit(node)
+
+    return SlowFilesFirst(config, log)

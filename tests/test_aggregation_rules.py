@@ -233,6 +233,7 @@ def table_3_row(dist: str) -> dict[str, float]:
             "min-eps": level("min-eps", at_min), "oracle": level("oracle-variance", own)}
 
 
+@pytest.mark.slow
 def test_table_3_noise_levels_match_the_paper() -> None:
     assert paper_z(0.2, 32) == 39.84 and paper_z(0.15, 64) == 211.82
     mismatches = []

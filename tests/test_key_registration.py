@@ -31,6 +31,7 @@ def _listed_nodes(deployment: LocalDeployment) -> dict[str, str]:
     return {node["node-id"]: node["status"] for node in answer["nodes"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tuning", ["on", "off"])
 def test_the_server_registers_every_silo_key_once_and_keeps_them_across_a_restart(
         tmp_path, tuning):

@@ -22,6 +22,7 @@ from typing import Any
 
 import dp_accounting
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -199,6 +200,7 @@ def _check(attacker: Attacker, kind: str, values: dict[str, Any], reply: Any,
     assert _dp_accounting_epsilon(after) <= EPSILON + 1e-3
 
 
+@pytest.mark.slow
 @settings(deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(sequence=st.lists(messages(), min_size=1, max_size=3))

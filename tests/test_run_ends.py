@@ -291,6 +291,7 @@ def test_ctrl_c_ends_a_submit_within_seconds_and_says_the_run_may_go_on(tmp_path
     assert not _left_after(mark)
 
 
+@pytest.mark.slow
 def test_a_submitted_run_that_fails_ends_submit_with_its_error_line(tmp_path, superlink):
     """`flwr run --stream` exits 0 whatever becomes of the run; `dpcfl submit` asks the
     SuperLink how it ended and exits 1 with the ServerApp's own error line last."""
