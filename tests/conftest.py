@@ -75,11 +75,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class SlowFilesFirst(LoadFileScheduling):
+        ordered = False  # the whole queue is reordered once, before the first hand-out
+
         def _assign_work_unit(self, node) -> None:
-            if not getattr(self, "slow_files_first", False):  # once, on the whole queue
+            if not self.ordered:
                 order = sorted(self.workqueue, key=lambda f: -_slow_marks(config, f))
                 self.workqueue = OrderedDict((f, self.workqueue[f]) for f in order)
-                self.slow_files_first = True
+                self.ordered = True
             super()._assign_work_unit(node)
 
     return SlowFilesFirst(config, log)

@@ -292,10 +292,9 @@ def test_flowers_own_pull_hands_over_a_half_pushed_reply():
 def test_install_patches_only_with_the_tuning_on(monkeypatch):
     from flwr.supercore import sql_mixin
 
-    # Everything install may rebind, restored afterwards: later tests in this process (other
-    # files' too, when a worker runs several) compare with Flower's own classes.
-    # Inherited names too (claim_task is a base class's): what a class only inherited now is
-    # deleted from it again afterwards.
+    # Every name install may rebind, inherited ones too (claim_task is a base class's),
+    # restored afterwards: later tests in this process, other files' too when a worker runs
+    # several, compare with Flower's own classes.
     for patched in (InMemoryLinkState, SqlLinkState, FleetServicer, sql_mixin, runtime_handlers):
         for name in dir(patched):
             if not name.startswith("__"):
