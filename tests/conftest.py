@@ -3,21 +3,44 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
+from dpcfl_flwr.privacy.pld_store import STORE_VARIABLE
+
+_SESSION_STORE = pytest.StashKey[str]()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """In a test worker (pytest-xdist), torch computes on one intra-op thread: beside the
     other worker, torch's two threads per process on two cores wait on each other (a test
-    of in-process training took 232 s where it takes 44 s alone)."""
+    of in-process training took 232 s where it takes 44 s alone).
+
+    The suite's processes keep their PLD figures in one store for the session
+    (privacy/pld_store.py), set up before the workers start, so they and every process
+    they start share it: the runs of the suite calibrate the same few schedules again and
+    again, in silo after silo (a calibration: 3-10 s of CPU). Each figure is still composed
+    once per session by the code under test, and tests of the store set their own."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    elif not os.environ.get(STORE_VARIABLE):
+        store = tempfile.mkdtemp(prefix="dpcfl-pld-store-")
+        os.environ[STORE_VARIABLE] = store
+        config.stash[_SESSION_STORE] = store
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    store = config.stash.get(_SESSION_STORE, None)
+    if store is not None:
+        shutil.rmtree(store, ignore_errors=True)
+        os.environ.pop(STORE_VARIABLE, None)
 
 
 @pytest.fixture()

@@ -54,6 +54,7 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution 
 from scipy import fft
 
 from .history import GaussianRun, SelectionRun
+from .pld_store import remembered
 
 #: Width (nats) of the grid privacy losses are rounded up to (see the module docstring).
 VALUE_DISCRETIZATION = 1e-4
@@ -205,6 +206,11 @@ def pld_epsilon(gaussian: Iterable[GaussianRun], selections: Iterable[SelectionR
 def _epsilon(key: HistoryKey, delta: float, grid: float) -> float:
     """Remembered by exact history: in a simulation the silos of one process share their
     schedules, so each calibration's ~20 trial z and each round's check are computed once
-    per process, not once per silo (a composition and its epsilon take 0.1-0.8 s)."""
+    per process, not once per silo (a composition and its epsilon take 0.1-0.8 s); and, where
+    the operator keeps a store (:mod:`.pld_store`), once per machine."""
+    return remembered(key, delta, grid, lambda: _composed_epsilon(key, delta, grid))
+
+
+def _composed_epsilon(key: HistoryKey, delta: float, grid: float) -> float:
     composed = _compose(key, grid)
     return 0.0 if composed is None else float(composed.get_epsilon_for_delta(delta))
