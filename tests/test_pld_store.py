@@ -4,6 +4,7 @@ by other processes only for exactly its request and code, and never a cause of f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,19 +59,13 @@ def test_a_figure_is_kept_once_and_read_back_by_another_process(tmp_path, monkey
     path.write_text(json.dumps({**entry, "epsilon": truth + 1.0}))
     shown = subprocess.run([sys.executable, "-c", PRINT_FIGURE], capture_output=True,
                            text=True, check=True, timeout=300,
-                           env={**_environment(), STORE_VARIABLE: str(store)})
+                           env={**os.environ, STORE_VARIABLE: str(store)})
     assert float(shown.stdout) == truth + 1.0
     # ... and without the store, a process composes the true figure
     alone = subprocess.run([sys.executable, "-c", PRINT_FIGURE], capture_output=True,
                            text=True, check=True, timeout=300,
-                           env={k: v for k, v in _environment().items() if k != STORE_VARIABLE})
+                           env={k: v for k, v in os.environ.items() if k != STORE_VARIABLE})
     assert float(alone.stdout) == truth
-
-
-def _environment() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 @pytest.mark.parametrize("change", [

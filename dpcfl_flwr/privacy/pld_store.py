@@ -14,8 +14,9 @@ could lower a silo's measured spend, so it belongs to the silo's operator alone 
 directory the server's side can write). docs/privacy.md#pld-accounting.
 
 An entry is a small JSON file named by the SHA-256 of what decides its figure: the history's
-canonical key (:func:`.pld.history_key`), delta, the grid, the dp-accounting release and a
-digest of the source of :mod:`.pld`, so a figure from other code is never read. An entry whose
+canonical key (:func:`.pld.history_key`), delta, the grid, the releases of dp-accounting,
+NumPy and SciPy and a digest of the source of :mod:`.pld`, so a figure from other code is
+never read. An entry whose
 content does not name exactly the request is ignored, and one that cannot be read or written
 only costs the computation: the store never fails a figure.
 """
@@ -40,12 +41,14 @@ STORE_VARIABLE = "DPCFL_PLD_STORE"
 
 @functools.cache
 def code_version() -> str:
-    """What else decides a figure: the dp-accounting release and this package's PLD code."""
+    """What else decides a figure: this package's PLD code and the releases of the libraries
+    that compute it (dp-accounting; NumPy and SciPy, whose FFTs convolve)."""
     from . import pld
 
     source = Path(pld.__file__).read_bytes()
-    return (f"dp-accounting {importlib.metadata.version('dp-accounting')}, "
-            f"pld.py {hashlib.sha256(source).hexdigest()[:16]}")
+    releases = ", ".join(f"{name} {importlib.metadata.version(name)}"
+                         for name in ("dp-accounting", "numpy", "scipy"))
+    return f"{releases}, pld.py {hashlib.sha256(source).hexdigest()[:16]}"
 
 
 def store_directory() -> Path | None:
