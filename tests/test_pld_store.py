@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,37 @@ def test_a_calibration_through_the_store_plans_the_same_noise(tmp_path, monkeypa
         assert plan_noise(phases, 8.0, DELTA, select_rounds=1,
                           mode="joint").noise_multiplier == alone
     assert len(_entries(store)) > 3  # the search's trial z and the fine check
+
+
+# Waits for its go file, then asks for the figure; prints it and how often it composed one.
+ASK_AT_ONCE = f"""
+import sys, time
+from pathlib import Path
+import dpcfl_flwr.privacy.pld as pld
+composed = []
+compose = pld._composed_epsilon
+pld._composed_epsilon = lambda *args: composed.append(1) or compose(*args)
+Path(sys.argv[1] + ".ready").write_text("")
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.005)
+print(repr(pld.pld_epsilon([(0.9, 0.1, 3000)], [], {DELTA!r})), len(composed))
+"""
+
+
+def test_processes_asking_at_once_compose_the_figure_once(tmp_path, monkeypatch):
+    """A deployment's silos plan round 1 when it reaches them, at the same moment: the first
+    to ask composes, the others wait for its entry (without the claim, each composed)."""
+    monkeypatch.setenv(STORE_VARIABLE, str(tmp_path / "store"))
+    go = tmp_path / "go"
+    askers = [subprocess.Popen([sys.executable, "-c", ASK_AT_ONCE, str(tmp_path / f"p{i}"),
+                                str(go)], stdout=subprocess.PIPE, text=True)
+              for i in range(3)]
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"p{i}.ready").exists() for i in range(3)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in askers)
+        time.sleep(0.05)
+    go.write_text("")
+    answers = [asker.communicate(timeout=300)[0].split() for asker in askers]
+    assert all(asker.returncode == 0 for asker in askers)
+    assert len({figure for figure, _ in answers}) == 1
+    assert sorted(int(count) for _, count in answers) == [0, 0, 1]

@@ -18,25 +18,34 @@ canonical key (:func:`.pld.history_key`), delta, the grid, the releases of dp-ac
 NumPy and SciPy and a digest of the source of :mod:`.pld`, so a figure from other code is
 never read. An entry whose
 content does not name exactly the request is ignored, and one that cannot be read or written
-only costs the computation: the store never fails a figure.
+only costs the computation: the store never fails a figure. Processes that ask for the same
+figure at once compose it once: the first claims it (a lock file beside the entry) and the
+others wait for its entry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
 import json
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..files import write_atomically
 
 #: The environment variable naming the store's directory (unset or empty: no store).
 STORE_VARIABLE = "DPCFL_PLD_STORE"
+#: Seconds a process waits for another one composing the figure it asks for before it
+#: composes the figure itself (one composition: 0.1-2 s here, seconds at the most steps a
+#: history may compose by PLD, MAX_COMPOSED).
+CLAIM_PATIENCE = 120.0
+CLAIM_POLL = 0.02  # seconds between tries of a claimed figure's lock
 
 
 @functools.cache
@@ -70,11 +79,41 @@ def remembered(key: object, delta: float, grid: float,
     found = _read(path, request)
     if found is not None:
         return found
-    epsilon = compute()
-    entry = json.dumps({**request, "epsilon": epsilon}, sort_keys=True).encode()
-    with contextlib.suppress(OSError):
-        write_atomically(path, lambda handle: handle.write(entry), durable=False)
+    with _claimed(path.with_suffix(".lock")):
+        found = _read(path, request)  # composed while this process waited for the claim
+        if found is not None:
+            return found
+        epsilon = compute()
+        entry = json.dumps({**request, "epsilon": epsilon}, sort_keys=True).encode()
+        with contextlib.suppress(OSError):
+            write_atomically(path, lambda handle: handle.write(entry), durable=False)
     return epsilon
+
+
+@contextlib.contextmanager
+def _claimed(lock: Path, patience: float = CLAIM_PATIENCE) -> Iterator[None]:
+    """Hold ``lock`` (an exclusive ``flock``) while the block composes a figure, so that
+    processes asking for it at the same moment (a deployment's silos all plan round 1 when
+    it reaches them) wait for the first one's figure instead of each composing it. The
+    kernel lets go of a dead holder's lock; after ``patience`` seconds, or when the lock
+    cannot be made, the block runs unclaimed (a second composition, never a wrong figure)."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock.open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(CLAIM_POLL)
+        yield  # closing the handle releases the lock
 
 
 def _read(path: Path, request: dict[str, object]) -> float | None:
