@@ -113,6 +113,8 @@ def _claimed(lock: Path, patience: float = CLAIM_PATIENCE) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(CLAIM_POLL)
+            except OSError:  # a file system without locks: unclaimed
+                break
         yield  # closing the handle releases the lock
 
 
