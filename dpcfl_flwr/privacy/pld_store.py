@@ -76,11 +76,12 @@ def remembered(key: object, delta: float, grid: float,
     request = {"history": key, "delta": delta, "grid": grid, "code": code_version()}
     text = json.dumps(request, sort_keys=True)
     path = directory / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
-    found = _read(path, request)
+    as_stored = json.loads(text)  # JSON makes the key's tuples lists: compare in that form
+    found = _read(path, as_stored)
     if found is not None:
         return found
     with _claimed(path.with_suffix(".lock")):
-        found = _read(path, request)  # composed while this process waited for the claim
+        found = _read(path, as_stored)  # composed while this process waited for the claim
         if found is not None:
             return found
         epsilon = compute()
@@ -118,8 +119,9 @@ def _claimed(lock: Path, patience: float = CLAIM_PATIENCE) -> Iterator[None]:
         yield  # closing the handle releases the lock
 
 
-def _read(path: Path, request: dict[str, object]) -> float | None:
-    """The entry's epsilon when it names exactly ``request``; None otherwise."""
+def _read(path: Path, request: object) -> float | None:
+    """The entry's epsilon when it names exactly ``request`` (in its JSON form); None
+    otherwise."""
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -127,8 +129,7 @@ def _read(path: Path, request: dict[str, object]) -> float | None:
     if not isinstance(entry, dict):
         return None
     epsilon = entry.pop("epsilon", None)
-    # JSON turns the key's tuples into lists: compare it as JSON, as it was stored
-    if json.loads(json.dumps(request)) != entry:
+    if entry != request:
         return None
     if not isinstance(epsilon, float) or math.isnan(epsilon) or epsilon < 0:
         return None
