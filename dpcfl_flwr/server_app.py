@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from .config.settings import ConfigError, ExperimentConfig, parse_run_config
-from .flower_compat import in_process_grid
+from .flower_compat import batch_object_requests, in_process_grid
 from .models import initial_state
 from .results.board import BoardWriter, Observers
 from .results.recorder import RunRecorder, unused_results_directory
@@ -44,6 +44,7 @@ def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
         strategy.resume(resumed)
         logger.info("resuming after round %d of %d (%s)", resumed.round,
                     experiment.num_server_rounds, checkpoint_path(experiment))
+    batch_object_requests(grid)  # a deployment's objects in a request per batch, not each
     grid = PollingGrid(grid)  # Flower's loop, with replies polled every 50-500 ms, not 3 s
     strategy.discover(grid, experiment.expected_clients, experiment.wait_for_clients,
                       experiment.required_clients)

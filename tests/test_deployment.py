@@ -106,6 +106,12 @@ def test_a_run_over_grpc_with_tls_and_node_authentication(deployment):
     assert "--enable-supernode-auth" in server_log and "--ssl-certfile" in server_log
     assert "holds an empty SuperNode poll up to 10 s until work arrives" in server_log
     assert "Runtime API requests skip the Control API's middleware" in server_log
+    # the ServerApp's objects move in batches, and no reply is handed over half-pushed (its
+    # missing objects would be pulled one by one, after Flower's back-off)
+    assert "/v1/runtime/dpcfl-push-objects HTTP" in server_log
+    assert "/v1/runtime/dpcfl-pull-objects HTTP" in server_log
+    assert "/v1/runtime/pull-object HTTP" not in server_log
+    assert "/v1/runtime/push-object HTTP" not in server_log
     for i in range(SILOS):  # the FAB checked ahead: every message answered in the SuperNode
         log = deployment.log(f"silo-{i:02d}")
         received = log.count("Receiving: ")

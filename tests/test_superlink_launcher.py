@@ -252,6 +252,52 @@ def test_news_of_a_complete_session_waits_for_the_store_call_to_return():
     assert woken and woken[0] >= returned
 
 
+def test_a_message_being_stored_is_not_handed_over_until_its_objects_are_in(
+        task_identity):
+    # Flower's store puts a message in the state before it returns; a pull in that moment
+    # found it unmarked and handed it over with objects missing, and the ServerApp (or a
+    # SuperNode) backed off a second on them.
+    task_identity(1, 1, SUPERLINK_NODE_ID)
+    arrivals = Arrivals()
+    in_state = threading.Event()
+
+    class StoresSlowly:
+        def store_message_and_object_tree(self, message, tree, session_id):
+            in_state.set()
+            time.sleep(0.3)
+            return True, ["object"]
+
+        def _cleanup_push_session(self, session_id, *, cleanup_messages):
+            pass
+
+        def store_object(self, run_id, session_id, object_id, content):
+            self._cleanup_push_session(session_id, cleanup_messages=False)
+            return True
+
+    announce_complete_messages(StoresSlowly, arrivals, SUPERLINK_NODE_ID)
+    state = StoresSlowly()
+    instruction = Message(RecordDict(), dst_node_id=5, message_type="train")
+    instruction.metadata.__dict__["_message_id"] = instruction.object_id
+    reply = Message(RecordDict(), reply_to=instruction)
+    wanted = [instruction.metadata.message_id]
+
+    def handed_over() -> list[str]:
+        return arrivals.pull_complete_replies(wanted, lambda ready: ready)[1]
+
+    for message, pulled in [(instruction, lambda: arrivals.pull_if_none_half_pushed(
+            5, lambda: wanted)), (reply, handed_over)]:
+        in_state.clear()
+        storing = threading.Thread(target=state.store_message_and_object_tree,
+                                   args=(message, None, f"s{id(message)}"))
+        storing.start()
+        assert in_state.wait(2.0)
+        assert not pulled()  # in the state, but its store has not returned
+        storing.join()
+        assert not pulled()  # stored, its object still to come
+        state.store_object(1, f"s{id(message)}", "object", b"x")
+        assert pulled() == wanted
+
+
 def _instruction_delivered(state, servicer, node: int) -> Message:
     message = _model_message(node)
     _push_objects(state, message, *_store_message(state, message))

@@ -4,7 +4,8 @@ Everything of Flower this package uses beyond its public API (``flwr.app``, ``fl
 ``flwr.clientapp``, ``flwr.simulation.run_simulation``) lives in the submodules of this
 package: the simulation engine's latency tuning (:mod:`.engine`; :mod:`.stock` is the same run
 on public Flower only), the SuperNode's and the SuperLink's patches (:mod:`.supernode`,
-:mod:`.superlink`, :mod:`.control_middleware`, :mod:`.runtime_fast_path`) and the silo's
+:mod:`.superlink`, :mod:`.control_middleware`, :mod:`.runtime_fast_path`), the ServerApp's
+object batches (:mod:`.object_batches`) and the silo's
 ClientApp runtimes that enforce the app pin (:mod:`.direct_runtime`, :mod:`.warm_runtime`).
 The rest of ``dpcfl_flwr`` calls only the functions of this file, which import a submodule
 only after the gate said yes (and a silo's launcher, ``deploy/supernode_launcher.py``, calls
@@ -56,6 +57,18 @@ def in_process_grid(grid: Any) -> bool:
 
         return is_in_memory_grid(grid)
     return type(grid).__name__ == "InMemoryGrid"
+
+
+def batch_object_requests(grid: Any) -> bool:
+    """With the tuning on, let a deployment's grid (the ServerApp's, over the SuperLink's
+    Runtime API) move its message objects in batches (:mod:`.object_batches`); whether it
+    does. A simulation's in-process grid moves no objects over HTTP."""
+    if not gate.TUNING or in_process_grid(grid):
+        return False
+    from . import object_batches
+
+    object_batches.install()
+    return True
 
 
 def wait_for_replies(grid: Any, seconds: float) -> None:
@@ -156,5 +169,6 @@ def flower_command(name: str) -> Callable[[], object]:
 
 __all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "IN_MEMORY_DATABASE", "KEY_NOT_REGISTERED",
            "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "array_chunk_size",
+           "batch_object_requests",
            "flower_command", "in_process_grid", "installed_flower", "pin_supported", "require_pin",
            "run_simulation", "run_superlink", "signals_left_to_caller", "wait_for_replies"]

@@ -17,6 +17,12 @@ caller, a missing or unknown token) goes through Flower's full app before any ha
 run, so Flower gives its own answer or error. Any other request goes through Flower's app
 untouched. It is installed only while the tuning is on (:mod:`dpcfl_flwr.flower_compat`), and
 only when no middleware of an extension or an event-log plugin would have seen these requests.
+
+It also answers the two batch routes of :mod:`.object_batches` (``dpcfl-pull-objects``,
+``dpcfl-push-objects``), which Flower's app does not have: a batch of serialised
+``pull-object`` or ``push-object`` requests under one token, each answered by the same
+handler as alone, in order. A batch it cannot answer goes to Flower's app, which answers 404,
+and the ServerApp falls back to one request per object.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
+
+from .object_batches import BATCH_ROUTES, ObjectBatch
 
 RUNTIME_PREFIX = "/v1/runtime/"
 # route -> (request type name in flwr.proto.message_pb2, handler name in Flower's handlers)
@@ -84,8 +92,11 @@ class ObjectRequestsFastPath:
 
         self.app = app
         self.state = app.state  # Starlette's State of Flower's app: its factory and handlers
-        self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler)
+        # path -> (request type, handler name, whether the body is a batch of such requests)
+        self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler, False)
                        for route, (request, handler) in OBJECT_ROUTES.items()}
+        self.routes.update({RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler, True)
+                            for route, (request, handler) in BATCH_ROUTES.items()})
         # the check Flower's Runtime router depends on, itself
         self.check_version = superlink_main._RUNTIME_VERSION_DEPENDENCY.dependency
         self.refusals = (DecodeError, FlowerError)
@@ -102,17 +113,21 @@ class ObjectRequestsFastPath:
         if body is None:
             return  # nobody to answer
         request = Request(scope)
-        parsed = self._parsed(request, body, route[0])
+        request_type, handler_name, batched = route
+        parsed = self._parsed(request, body, request_type, batched)
         if parsed is not None:
-            message, token = parsed
-            handler = getattr(self.state.runtime_handlers, route[1])
+            messages, token = parsed
+            handler = getattr(self.state.runtime_handlers, handler_name)
 
             def work() -> Any:  # a database state may wait on its lock: not on the event loop
                 state = self.state.runtime_state_factory.state()
                 task = state.get_task_by_token(token)
                 if task is None:
                     raise _FlowersToAnswer
-                return handler(message, state, task)
+                if not batched:
+                    return handler(messages[0], state, task)
+                return ObjectBatch(items=[handler(message, state, task).SerializeToString()
+                                          for message in messages])
 
             async def answer(_: Request) -> Response:
                 result = await run_in_threadpool(work)
@@ -127,20 +142,22 @@ class ObjectRequestsFastPath:
                 return
         await self.app(scope, _replaying(body, receive), send)
 
-    def _parsed(self, request: Request, body: bytes, request_type: type) -> tuple[Any, str] | None:
-        """(the protobuf request, its task token), or None when Flower's app must answer."""
+    def _parsed(self, request: Request, body: bytes, request_type: Any, batched: bool
+                ) -> tuple[list[Any], str] | None:
+        """(the protobuf requests: one, or a batch's, its task token), or None when Flower's
+        app must answer (for a batch route: that it has no such route)."""
         content_type = request.headers.get("content-type", "")
         tokens = request.headers.getlist(self.token_header)
         if content_type.partition(";")[0].strip().lower() != self.media_type or (
                 len(tokens) != 1 or not tokens[0]):
             return None
-        message = request_type()
         try:
-            message.ParseFromString(body)
+            items = ObjectBatch.FromString(body).items if batched else [body]
+            messages = [request_type.FromString(item) for item in items]
             self.check_version(request)
         except self.refusals:
             return None
-        return message, tokens[0]
+        return messages, tokens[0]
 
 
 def install() -> bool:

@@ -67,9 +67,11 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .gate import KEY_NOT_REGISTERED, NODE_ONLINE
+
+T = TypeVar("T")
 
 REPLY_HOLD = 1.0  # seconds the ServerApp's empty reply poll may wait (its HTTP timeout: 30 s)
 #: Seconds a launched ServerApp may take from the SuperExec's claim of its task to activating
@@ -82,7 +84,7 @@ SQLITE_BUSY_MS = 60_000
 class Arrivals:
     """What became complete (stored with all its objects) for whom: per SuperNode, a count of
     its complete instructions; for the ServerApp, a count of complete replies and the
-    instructions whose reply is stored but still missing objects. A held pull waits for its
+    instructions whose reply is being stored or still misses objects. A held pull waits for its
     count to change. Objects arrive in a push session after the message that needs them, so
     a message with missing objects becomes complete when its session ends."""
 
@@ -91,45 +93,67 @@ class Arrivals:
         self._count: dict[int, int] = defaultdict(int)  # per SuperNode
         self._half_pushed: dict[int, int] = defaultdict(int)  # per SuperNode: objects to come
         self._replies = 0
-        self._incomplete_replies: set[str] = set()  # instruction ids
+        # instruction id -> replies to it being stored, or stored while missing objects
+        self._incomplete_replies: dict[str, int] = defaultdict(int)
         self._on_session_end: dict[str, list[Callable[[], None]]] = defaultdict(list)
+        # Held by a pull while Flower's handler runs, and by a store while it marks its
+        # message as coming: no message becomes storable between a pull's check and its
+        # handler. Never taken while waiting for the state: a store takes it before Flower's
+        # store, and the lock above is only ever taken inside it or on its own.
+        self._gate = threading.Lock()
 
     def seen(self, node_id: int) -> int:
         with self._changed:
             return self._count[node_id]
 
-    def replies_seen(self) -> int:
-        with self._changed:
-            return self._replies
+    def pull_complete_replies(self, instruction_ids: Sequence[str],
+                              pull: Callable[[list[str]], T]) -> tuple[int, T]:
+        """(the count of complete replies, ``pull`` of those ``instruction_ids`` whose reply is
+        not being stored or half-pushed). No reply is stored while ``pull`` runs, so it
+        cannot hand over one whose objects are still coming."""
+        with self._gate:
+            with self._changed:
+                ready = [i for i in instruction_ids if not self._incomplete_replies.get(i)]
+                seen = self._replies
+            return seen, pull(ready)
 
-    def complete(self, instruction_ids: Sequence[str]) -> list[str]:
-        """The ids among ``instruction_ids`` whose reply is not half-pushed."""
-        with self._changed:
-            return [i for i in instruction_ids if i not in self._incomplete_replies]
+    def pull_if_none_half_pushed(self, node_id: int, pull: Callable[[], T]) -> T | None:
+        """``pull()``, unless an instruction for ``node_id`` is being stored or waits for its
+        objects (None); no instruction is stored while ``pull`` runs."""
+        with self._gate:
+            with self._changed:
+                if self._half_pushed[node_id] > 0:
+                    return None
+            return pull()
 
-    def half_pushed(self, node_id: int) -> bool:
-        """Whether an instruction for ``node_id`` is stored while its objects are coming."""
-        with self._changed:
-            return self._half_pushed[node_id] > 0
-
-    def instruction_stored(self, node_id: int, session_id: str, missing: bool) -> None:
-        with self._changed:
-            def done() -> None:
-                if missing:
-                    self._half_pushed[node_id] -= 1
-                self._count[node_id] += 1
-            if missing:
+    def storing(self, message: Any, superlink_node_id: int) -> Callable[[bool, str, bool], None]:
+        """Mark ``message`` as coming before Flower stores it (a pull meanwhile passes it
+        over); the returned function settles the mark with the store's outcome: (stored,
+        push session, whether objects are missing)."""
+        metadata = message.metadata
+        reply_to = metadata.reply_to_message_id
+        node_id = None if reply_to or metadata.dst_node_id == superlink_node_id else (
+            metadata.dst_node_id)
+        with self._gate, self._changed:
+            if reply_to:
+                self._incomplete_replies[reply_to] += 1
+            elif node_id is not None:
                 self._half_pushed[node_id] += 1
-            self._settle(done, session_id if missing else None)
 
-    def reply_stored(self, instruction_id: str, session_id: str, missing: bool) -> None:
-        with self._changed:
-            def done() -> None:
-                self._incomplete_replies.discard(instruction_id)
-                self._replies += 1
-            if missing:
-                self._incomplete_replies.add(instruction_id)
-            self._settle(done, session_id if missing else None)
+        def settle(stored: bool, session_id: str, missing: bool) -> None:
+            with self._changed:
+                def done() -> None:
+                    if reply_to:
+                        self._incomplete_replies[reply_to] -= 1
+                        if not self._incomplete_replies[reply_to]:
+                            del self._incomplete_replies[reply_to]
+                        self._replies += 1  # a change to wake the ServerApp's pull on
+                    elif node_id is not None:
+                        self._half_pushed[node_id] -= 1
+                        self._count[node_id] += 1  # a change to wake the node's pull on
+                self._settle(done, session_id if stored and missing else None)
+
+        return settle
 
     def _settle(self, done: Callable[[], None], session_id: str | None) -> None:
         if session_id is None:
@@ -177,12 +201,12 @@ def announce_complete_messages(state_class: Any, arrivals: Arrivals,
 
     def store_message_and_object_tree(self: Any, message: Any, object_tree: Any,
                                       session_id: str) -> tuple[bool, list[str]]:
-        stored, missing = store(self, message, object_tree, session_id)
-        metadata = message.metadata
-        if stored and metadata.reply_to_message_id:
-            arrivals.reply_stored(metadata.reply_to_message_id, session_id, bool(missing))
-        elif stored and metadata.dst_node_id != superlink_node_id:
-            arrivals.instruction_stored(metadata.dst_node_id, session_id, bool(missing))
+        settle = arrivals.storing(message, superlink_node_id)
+        stored, missing = False, []
+        try:
+            stored, missing = store(self, message, object_tree, session_id)
+        finally:
+            settle(stored, session_id, bool(missing))
         return stored, missing
 
     def _cleanup_push_session(self: Any, session_id: str, *, cleanup_messages: bool) -> None:
@@ -234,10 +258,11 @@ def hold_empty_pulls(servicer_class: Any, arrivals: Arrivals, hold: float) -> No
                 left = deadline - time.monotonic()
                 # A half-pushed instruction pulled now would make the SuperNode back off a
                 # second on its first missing object: wait for the rest (at most the hold).
-                if left <= 0 or not arrivals.half_pushed(node_id):
-                    response = pull(self, request, context)
-                    if response.messages_list or left <= 0:
-                        return response
+                response = (pull(self, request, context) if left <= 0 else
+                            arrivals.pull_if_none_half_pushed(
+                                node_id, lambda: pull(self, request, context)))
+                if response is not None and (response.messages_list or left <= 0):
+                    return response
                 arrivals.wait_for_node(node_id, seen, left, ended.is_set)
                 if ended.is_set():  # nobody to deliver to: leave the message for the next poll
                     return PullMessagesResponse()
@@ -255,13 +280,16 @@ def hold_reply_pulls(handlers: Any, arrivals: Arrivals, hold: float) -> None:
 
     def pull_messages(request: Any, state: Any, task: Any) -> Any:
         deadline = time.monotonic() + hold
-        while True:
-            seen = arrivals.replies_seen()
+        def pull_these(instruction_ids: list[str]) -> Any:
             ready = type(request)()
             ready.CopyFrom(request)
             del ready.message_ids[:]
-            ready.message_ids.extend(arrivals.complete(list(request.message_ids)))
-            response = pull(ready, state, task)
+            ready.message_ids.extend(instruction_ids)
+            return pull(ready, state, task)
+
+        while True:
+            seen, response = arrivals.pull_complete_replies(list(request.message_ids),
+                                                            pull_these)
             left = deadline - time.monotonic()
             if response.messages_list or left <= 0:
                 return response

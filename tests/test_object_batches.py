@@ -1,0 +1,178 @@
+"""A deployment's ServerApp moves its message objects in batches, and every answer in a batch
+is the one Flower gives the same request alone.
+
+Flower's real SuperLink app (a fresh in-memory link state) is served behind the fast path
+(flower_compat/runtime_fast_path.py) or as Flower serves it, over Starlette's test client.
+The ServerApp side is Flower's own ``HttpGrid``, talking to that app through its real Runtime
+API client.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+    PullObjectRequest,
+    PullObjectResponse,
+    PushObjectRequest,
+    PushObjectResponse,
+)
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.supercore.constant import NOOP_FEDERATION_ID, TaskType
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+from flwr.supercore.interceptors import (
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
+)
+from flwr.supercore.run import Run
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.superlink import main as superlink_main
+from flwr.superlink.grid import http_grid
+from starlette.testclient import TestClient
+
+from dpcfl_flwr.flower_compat import object_batches
+from dpcfl_flwr.flower_compat.object_batches import ObjectBatch
+from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
+from tests.test_runtime_fast_path import Counted, _post
+
+HERE = Node(node_id=SUPERLINK_NODE_ID)
+
+
+class Link:
+    """A fresh SuperLink app, a run with a claimed ServerApp task, and one registered node."""
+
+    def __init__(self, task_identity) -> None:
+        self.flowers = Counted(superlink_main.create_app())
+        self.state = self.flowers.state.runtime_state_factory.state()
+        self.run_id = self.state.create_run(None, None, None, {}, NOOP_FEDERATION_ID, None,
+                                            None, TaskType.SERVER_APP)
+        task_id = self.state.get_run_info(run_ids=[self.run_id])[0].primary_task_id
+        self.token = self.state.claim_task(task_id)
+        task_identity(task_id, self.run_id, SUPERLINK_NODE_ID)
+        (self.node,) = vce_api._register_nodes(1, self.flowers.state.linkstate_factory)
+
+    def instruction(self, values: np.ndarray) -> Message:
+        message = Message(RecordDict({"model": ArrayRecord({"w": Array(values)}),
+                                      "config": ConfigRecord({"round": 1})}),
+                          dst_node_id=self.node, message_type="train", ttl=3600)
+        message.metadata.__dict__["_message_id"] = message.object_id
+        return message
+
+    def store_reply(self, instruction: Message, values: np.ndarray) -> Message:
+        """What the node's SuperNode does: take the instruction, store its reply and push
+        the reply's objects."""
+        self.state.get_message_ins(node_id=self.node, limit=None)
+        reply = Message(RecordDict({"update": ArrayRecord({"w": Array(values)})}),
+                        reply_to=instruction)
+        reply.metadata.__dict__["_message_id"] = reply.object_id
+        session = self.state.start_session(self.run_id)
+        stored, missing = self.state.store_message_and_object_tree(
+            reply, get_object_tree(reply), session)
+        assert stored
+        objects = get_all_nested_objects(reply)
+        for object_id in missing:
+            assert self.state.store_object(self.run_id, session, object_id,
+                                           objects[object_id].deflate())
+        return reply
+
+
+def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
+    link = Link(task_identity)
+    message = link.instruction(np.arange(6, dtype="float32"))
+    session = link.state.start_session(link.run_id)
+    stored, missing = link.state.store_message_and_object_tree(
+        message, get_object_tree(message), session)
+    assert stored and len(missing) >= 3
+    objects = get_all_nested_objects(message)
+    with TestClient(ObjectRequestsFastPath(link.flowers)) as client:
+        pushes = [PushObjectRequest(node=HERE, run_id=link.run_id, session_id=session,
+                                    object_id=i, object_content=objects[i].deflate())
+                  for i in missing]
+        pushed = _post(client, "dpcfl-push-objects", ObjectBatch(
+            items=[p.SerializeToString() for p in pushes]).SerializeToString(), link.token)
+        assert pushed.status_code == 200, pushed.text
+        answers = ObjectBatch.FromString(pushed.content).items
+        assert [PushObjectResponse.FromString(a).stored for a in answers] == [True] * len(pushes)
+
+        wanted = [*objects, "0" * 64]  # every object of the message, and one nobody stored
+        pulls = [PullObjectRequest(node=HERE, run_id=link.run_id, object_id=i) for i in wanted]
+        batch = ObjectBatch(items=[p.SerializeToString() for p in pulls]).SerializeToString()
+        pulled = _post(client, "dpcfl-pull-objects", batch, link.token)
+        assert pulled.status_code == 200
+        alone = [_post(client, "pull-object", p.SerializeToString(), link.token).content
+                 for p in pulls]
+        assert list(ObjectBatch.FromString(pulled.content).items) == alone
+        found = [PullObjectResponse.FromString(a) for a in alone]
+        assert [r.object_content for r in found[:-1]] == [objects[i].deflate() for i in objects]
+        assert not found[-1].object_found
+        assert link.flowers.paths == []  # all answered by the fast path
+
+        # a request Flower's handler refuses fails the batch with Flower's status for it
+        foreign = PullObjectRequest(node=Node(node_id=link.node), run_id=link.run_id,
+                                    object_id=message.object_id)
+        refused = _post(client, "dpcfl-pull-objects", ObjectBatch(items=[
+            pulls[0].SerializeToString(), foreign.SerializeToString()]).SerializeToString(),
+            link.token)
+        assert refused.status_code == _post(client, "pull-object", foreign.SerializeToString(),
+                                            link.token).status_code == 412
+        # no task behind the token, or a body that is no batch: Flower's app, which has no
+        # such route
+        assert _post(client, "dpcfl-pull-objects", batch, "not-a-token").status_code == 404
+        assert _post(client, "dpcfl-pull-objects", b"\xff\xff", link.token).status_code == 404
+        assert link.flowers.paths == ["/v1/runtime/dpcfl-pull-objects"] * 2
+
+
+def _grid(link: Link, app) -> tuple[http_grid.HttpGrid, TestClient]:
+    """Flower's ServerApp grid with its real Runtime API client, sending to ``app``."""
+    grid = http_grid.HttpGrid(token=link.token, insecure=True)
+    client = RuntimeHttpClient("http://testserver", interceptors=[
+        RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
+        RuntimeTokenHttpInterceptor(token=link.token)])
+    transport = TestClient(app)
+    client._client = transport
+    grid._client = client
+    grid.set_run(Run.create_empty(link.run_id))
+    return grid, transport
+
+
+def _round_trip(link: Link, grid) -> tuple[Message, Message]:
+    """Push an instruction through ``grid``, let the node reply, pull the reply."""
+    values = np.linspace(0, 1, 50, dtype="float32")
+    instruction = link.instruction(values)
+    (message_id,) = grid.push_messages([instruction])
+    assert message_id == instruction.object_id
+    sent = link.store_reply(instruction, 2 * values)
+    (got,) = grid.pull_messages([message_id])
+    return sent, got
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
+        fast_path, task_identity, monkeypatch):
+    for name in ("pull_objects", "push_objects", "make_pull_object_fn_protobuf",
+                 "make_push_object_fn_protobuf"):  # install() replaces them: restore after
+        monkeypatch.setattr(http_grid, name, getattr(http_grid, name))
+    assert object_batches.install()
+    assert not object_batches.install()  # once
+    link = Link(task_identity)
+    grid, transport = _grid(link, ObjectRequestsFastPath(link.flowers) if fast_path
+                            else link.flowers)
+    paths = []
+    transport.event_hooks["request"].append(lambda request: paths.append(request.url.path))
+    with transport:
+        for _ in range(2):
+            sent, got = _round_trip(link, grid)
+            assert got.metadata.reply_to_message_id == sent.metadata.reply_to_message_id
+            np.testing.assert_array_equal(got.content["update"]["w"].numpy(),
+                                          sent.content["update"]["w"].numpy())
+    routes = [p.rsplit("/", 1)[1] for p in paths]
+    if fast_path:  # one request each way for all of a message's objects
+        assert routes == ["push-messages", "dpcfl-push-objects", "pull-messages",
+                          "dpcfl-pull-objects", "confirm-message-received"] * 2
+    else:  # Flower's SuperLink refuses the first batch; from then on, one per object
+        assert [r for r in routes if r.startswith("dpcfl-")] == ["dpcfl-push-objects"]
+        assert routes[:3] == ["push-messages", "dpcfl-push-objects", "push-object"]
+        assert routes.count("pull-object") == 2 * len(get_all_nested_objects(sent))
