@@ -79,7 +79,7 @@ class ProcessCpuSampler:
     machine: list[tuple[float, float]] = field(default_factory=list)  # (busy, steal) seconds
     own: list[float] = field(default_factory=list)  # this sampler's own CPU seconds so far
     roles: dict[int, str] = field(default_factory=dict)
-    round_ends: dict[int, tuple[float, float]] = field(default_factory=dict)  # round: (end, s)
+    round_ends: dict[int, tuple[float, float]] = field(default_factory=dict)  # round: (trained, s)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -123,7 +123,10 @@ class ProcessCpuSampler:
             return
         for event in self._tail.new_events():
             if event.get("event") == "round":
-                self.round_ends[event["round"]] = (time.time(), event["seconds"])
+                # a round that evaluates reports once its evaluation is done too: its
+                # training ended that long before
+                trained = time.time() - float(event.get("evaluate_seconds") or 0.0)
+                self.round_ends[event["round"]] = (trained, event["seconds"])
 
     def cpu_between(self, start: float, end: float) -> dict[str, float]:
         """CPU seconds by role from the sample nearest ``start`` to the one nearest ``end``;
@@ -146,7 +149,8 @@ class ProcessCpuSampler:
         return dict(totals)
 
     def round_window(self, number: int) -> tuple[float, float]:
-        """(start, end) wall-clock times of a round, to this sampler's resolution."""
+        """(start, end) wall-clock times of a round's training (its evaluation left out), to
+        this sampler's resolution."""
         end, seconds = self.round_ends[number]
         return end - seconds, end
 

@@ -37,6 +37,26 @@ def test_child_cpu_is_counted_and_rounds_are_placed(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rounds_window_leaves_out_the_evaluation_that_follows_it(tmp_path):
+    # A round that evaluates is reported once its evaluation is done: its training ended
+    # evaluate_seconds before. Here the training waits and the evaluation burns CPU.
+    progress = tmp_path / "progress.jsonl"
+    with ProcessCpuSampler(progress, interval=0.05) as sampler:
+        start = time.time()
+        time.sleep(0.6)
+        trained = time.time()
+        subprocess.run([sys.executable, "-c", BURN.format(seconds=0.6)], check=True)
+        evaluated = time.time()
+        progress.write_text(json.dumps({"event": "round", "round": 2, "seconds": trained - start,
+                                        "evaluate_seconds": evaluated - trained}) + "\n")
+        time.sleep(0.3)
+    started, finished = sampler.round_window(2)
+    assert 0.0 <= finished - trained < 0.5 and finished - started == pytest.approx(
+        trained - start)
+    assert sampler.cpu_between(started, finished).get("other", 0.0) < 0.2  # not the burn
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_samplings_own_cpu_is_its_own_row_not_the_drivers():
     """The sampler runs in the driver's process: its reading of /proc is CPU the measured run
     does not get, so it is reported apart, and the driver's row is the driver's own work

@@ -78,6 +78,10 @@ def test_results_file_of_a_real_simulation(simulated):
         assert len(list(csv.DictReader(handle))) == ROUNDS
     progress = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
     assert progress[0]["event"] == "start" and progress[-1]["event"] == "done"
+    # a round that evaluates says how long its evaluation took after its training
+    evaluated = {r["round"]: r["evaluate_seconds"] for r in progress if r["event"] == "round"}
+    assert evaluated[ROUNDS] > 0 and all(evaluated[r] == 0 for r in range(1, ROUNDS)
+                                          if not results["rounds"][r - 1]["mean_test_accuracy"])
     assert sorted(p.name for p in (out / "models").iterdir()) == [
         f"cluster-{m}.pt" for m in range(clustering["n_clusters"])]
     for figure in ("accuracy.png", "projection.png"):

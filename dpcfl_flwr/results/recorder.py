@@ -152,7 +152,8 @@ class RunRecorder:
         spent = [s.epsilon_spent for s in strategy.silos.values()]
         return {
             "round": report.round, "stage": report.stage, "seconds": round(report.seconds, 3),
-            "server_seconds": round(report.server_seconds, 3), "trained": len(report.trained),
+            "server_seconds": round(report.server_seconds, 3),
+            "evaluate_seconds": round(report.evaluate_seconds, 3), "trained": len(report.trained),
             "refused": report.refused, "dropped": report.dropped,
             "cluster_sizes": report.cluster_sizes(strategy.n_clusters),
             "mean_val_accuracy": _mean(report.val_accuracy.values()),

@@ -22,6 +22,8 @@ class RoundReport:
     refused: list[int]
     dropped: list[int]
     server_seconds: float = 0.0
+    #: wall of the round's evaluation exchange, after its training (0: none this round)
+    evaluate_seconds: float = 0.0
     test_accuracy: dict[int, float] | None = None
     client_cpu_seconds: dict[int, float] = field(default_factory=dict)
     #: by cluster: the aggregation's weights, noise levels and fallback (docs/aggregation.md)

@@ -332,6 +332,7 @@ class ClusteredStrategy(Strategy):
         if self.evaluates(server_round):
             sent, self._evaluating = self._evaluating or _Sent({}), None
             report.test_accuracy = self._fold_evaluate(sent.by_silo(replies))
+            report.evaluate_seconds = time.monotonic() - sent.at
         self._log_round(report)
         if self.observer is not None:
             self.observer.round_done(self, report)
