@@ -122,7 +122,11 @@ def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
         # such route
         assert _post(client, "dpcfl-pull-objects", batch, "not-a-token").status_code == 404
         assert _post(client, "dpcfl-pull-objects", b"\xff\xff", link.token).status_code == 404
-        assert link.flowers.paths == ["/v1/runtime/dpcfl-pull-objects"] * 2
+        # nor does a batch larger than the ServerApp ever sends
+        too_many = ObjectBatch(items=[pulls[0].SerializeToString()] * (
+            object_batches.MAX_BATCH_ITEMS + 1)).SerializeToString()
+        assert _post(client, "dpcfl-pull-objects", too_many, link.token).status_code == 404
+        assert link.flowers.paths == ["/v1/runtime/dpcfl-pull-objects"] * 3
 
 
 def _grid(link: Link, app) -> tuple[http_grid.HttpGrid, TestClient]:

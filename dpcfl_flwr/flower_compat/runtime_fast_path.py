@@ -21,8 +21,9 @@ only when no middleware of an extension or an event-log plugin would have seen t
 It also answers the two batch routes of :mod:`.object_batches` (``dpcfl-pull-objects``,
 ``dpcfl-push-objects``), which Flower's app does not have: a batch of serialised
 ``pull-object`` or ``push-object`` requests under one token, each answered by the same
-handler as alone, in order. A batch it cannot answer goes to Flower's app, which answers 404,
-and the ServerApp falls back to one request per object.
+handler as alone, in order. A batch it cannot answer (more than
+:data:`~.object_batches.MAX_BATCH_ITEMS` requests among them) goes to Flower's app, which
+answers 404, and the ServerApp falls back to one request per object.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .object_batches import BATCH_ROUTES, ObjectBatch
+from .object_batches import BATCH_ROUTES, MAX_BATCH_ITEMS, ObjectBatch
 
 RUNTIME_PREFIX = "/v1/runtime/"
 # route -> (request type name in flwr.proto.message_pb2, handler name in Flower's handlers)
@@ -153,6 +154,8 @@ class ObjectRequestsFastPath:
             return None
         try:
             items = ObjectBatch.FromString(body).items if batched else [body]
+            if len(items) > MAX_BATCH_ITEMS:  # larger than the ServerApp ever sends
+                return None
             messages = [request_type.FromString(item) for item in items]
             self.check_version(request)
         except self.refusals:
