@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..files import write_atomically
 from .per_sample import ClippedSumEngine, OpacusEngine, layerwise_supported
 
 logger = logging.getLogger(__name__)
@@ -142,10 +143,8 @@ def _write_cache(key: str, mode: str) -> None:
     path = cache_path()
     data = _read_cache()
     data[key] = mode
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
-        temporary.replace(path)
+    text = json.dumps(data, indent=1, sort_keys=True).encode()
+    try:  # a speed hint: a write lost in a crash is measured again
+        write_atomically(path, lambda handle: handle.write(text), durable=False, mode=0o644)
     except OSError as error:
         logger.warning("could not write the engine cache %s: %s", path, error)
