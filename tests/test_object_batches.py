@@ -36,9 +36,7 @@ from starlette.testclient import TestClient
 from dpcfl_flwr.flower_compat import object_batches
 from dpcfl_flwr.flower_compat.object_batches import ObjectBatch
 from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
-from tests.test_runtime_fast_path import Counted, _post
-
-HERE = Node(node_id=SUPERLINK_NODE_ID)
+from tests.runtime_api import HERE, Counted, post
 
 
 class Link:
@@ -91,7 +89,7 @@ def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
         pushes = [PushObjectRequest(node=HERE, run_id=link.run_id, session_id=session,
                                     object_id=i, object_content=objects[i].deflate())
                   for i in missing]
-        pushed = _post(client, "dpcfl-push-objects", ObjectBatch(
+        pushed = post(client, "dpcfl-push-objects", ObjectBatch(
             items=[p.SerializeToString() for p in pushes]).SerializeToString(), link.token)
         assert pushed.status_code == 200, pushed.text
         answers = ObjectBatch.FromString(pushed.content).items
@@ -100,9 +98,9 @@ def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
         wanted = [*objects, "0" * 64]  # every object of the message, and one nobody stored
         pulls = [PullObjectRequest(node=HERE, run_id=link.run_id, object_id=i) for i in wanted]
         batch = ObjectBatch(items=[p.SerializeToString() for p in pulls]).SerializeToString()
-        pulled = _post(client, "dpcfl-pull-objects", batch, link.token)
+        pulled = post(client, "dpcfl-pull-objects", batch, link.token)
         assert pulled.status_code == 200
-        alone = [_post(client, "pull-object", p.SerializeToString(), link.token).content
+        alone = [post(client, "pull-object", p.SerializeToString(), link.token).content
                  for p in pulls]
         assert list(ObjectBatch.FromString(pulled.content).items) == alone
         found = [PullObjectResponse.FromString(a) for a in alone]
@@ -113,19 +111,19 @@ def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
         # a request Flower's handler refuses fails the batch with Flower's status for it
         foreign = PullObjectRequest(node=Node(node_id=link.node), run_id=link.run_id,
                                     object_id=message.object_id)
-        refused = _post(client, "dpcfl-pull-objects", ObjectBatch(items=[
+        refused = post(client, "dpcfl-pull-objects", ObjectBatch(items=[
             pulls[0].SerializeToString(), foreign.SerializeToString()]).SerializeToString(),
             link.token)
-        assert refused.status_code == _post(client, "pull-object", foreign.SerializeToString(),
+        assert refused.status_code == post(client, "pull-object", foreign.SerializeToString(),
                                             link.token).status_code == 412
         # no task behind the token, or a body that is no batch: Flower's app, which has no
         # such route
-        assert _post(client, "dpcfl-pull-objects", batch, "not-a-token").status_code == 404
-        assert _post(client, "dpcfl-pull-objects", b"\xff\xff", link.token).status_code == 404
+        assert post(client, "dpcfl-pull-objects", batch, "not-a-token").status_code == 404
+        assert post(client, "dpcfl-pull-objects", b"\xff\xff", link.token).status_code == 404
         # nor does a batch larger than the ServerApp ever sends
         too_many = ObjectBatch(items=[pulls[0].SerializeToString()] * (
             object_batches.MAX_BATCH_ITEMS + 1)).SerializeToString()
-        assert _post(client, "dpcfl-pull-objects", too_many, link.token).status_code == 404
+        assert post(client, "dpcfl-pull-objects", too_many, link.token).status_code == 404
         assert link.flowers.paths == ["/v1/runtime/dpcfl-pull-objects"] * 3
 
 

@@ -18,38 +18,15 @@ from flwr.proto.message_pb2 import (  # pylint: disable=E0611
 )
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.server.superlink.fleet.vce import vce_api
-from flwr.supercore.constant import NOOP_FEDERATION_ID, TASK_TOKEN_HEADER, TaskType
+from flwr.supercore.constant import NOOP_FEDERATION_ID, TaskType
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
-from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
 from flwr.superlink import main as superlink_main
 from starlette.testclient import TestClient
 
 from dpcfl_flwr import flower_compat
 from dpcfl_flwr.flower_compat import runtime_fast_path
 from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
-
-PROTOBUF = "application/protobuf"
-SERVERAPP = dict(RuntimeVersionMetadata.from_local_component("ServerApp").as_metadata())
-HERE = Node(node_id=SUPERLINK_NODE_ID)
-
-
-class Counted:
-    """Flower's app, counting the requests that reach it."""
-
-    def __init__(self, app) -> None:
-        self.app, self.state, self.paths = app, app.state, []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            self.paths.append(scope["path"])
-        await self.app(scope, receive, send)
-
-
-def _post(client, route: str, body: bytes, token: str | None, **headers: str):
-    sent = {"content-type": PROTOBUF, **SERVERAPP, **headers}
-    if token is not None:
-        sent[TASK_TOKEN_HEADER] = token
-    return client.post(f"/v1/runtime/{route}", content=body, headers=sent)
+from tests.runtime_api import HERE, PROTOBUF, Counted, post
 
 
 def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
@@ -89,29 +66,29 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
             answers.append((response.status_code, headers, body))
 
         for object_id in missing:  # the push of a message's objects
-            record(_post(client, "push-object", PushObjectRequest(
+            record(post(client, "push-object", PushObjectRequest(
                 node=HERE, run_id=run_id, session_id=session, object_id=object_id,
                 object_content=objects[object_id].deflate()).SerializeToString(), token))
         pull = PullObjectRequest(node=HERE, run_id=run_id, object_id=message.object_id)
-        record(_post(client, "pull-object", pull.SerializeToString(), token))
-        record(_post(client, "pull-object", PullObjectRequest(
+        record(post(client, "pull-object", pull.SerializeToString(), token))
+        record(post(client, "pull-object", PullObjectRequest(
             node=HERE, run_id=run_id, object_id="0" * 64).SerializeToString(), token))
         # the handler refuses: Flower's error translation answers
-        record(_post(client, "pull-object", PullObjectRequest(
+        record(post(client, "pull-object", PullObjectRequest(
             node=Node(node_id=node), run_id=run_id,
             object_id=message.object_id).SerializeToString(), token))
         # Flower's app answers these before any handler runs
-        record(_post(client, "pull-object", pull.SerializeToString(), None))
-        record(_post(client, "pull-object", pull.SerializeToString(), "not-a-token"))
-        record(_post(client, "pull-object", pull.SerializeToString(), token,
+        record(post(client, "pull-object", pull.SerializeToString(), None))
+        record(post(client, "pull-object", pull.SerializeToString(), "not-a-token"))
+        record(post(client, "pull-object", pull.SerializeToString(), token,
                      **{"content-type": "application/json"}))
-        record(_post(client, "pull-object", b"\xff\xff\xff", token))
-        record(_post(client, "pull-object", pull.SerializeToString(), token,
+        record(post(client, "pull-object", b"\xff\xff\xff", token))
+        record(post(client, "pull-object", pull.SerializeToString(), token,
                      **{"flwr-package-version": "1.38.0"}))  # another minor version
-        record(_post(client, "confirm-message-received", ConfirmMessageReceivedRequest(
+        record(post(client, "confirm-message-received", ConfirmMessageReceivedRequest(
             node=HERE, run_id=run_id,
             message_object_id=message.object_id).SerializeToString(), token))
-        record(_post(client, "pull-object", pull.SerializeToString(), token))  # gone
+        record(post(client, "pull-object", pull.SerializeToString(), token))  # gone
         record(client.get("/health"))
     return answers, flowers.paths
 

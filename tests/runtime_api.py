@@ -1,0 +1,33 @@
+"""Requests to a SuperLink's Runtime API as a ServerApp sends them, over Starlette's test
+client, and Flower's app counting the ones that reach it (tests of the SuperLink's fast path
+and of the ServerApp's object batches)."""
+
+from __future__ import annotations
+
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.supercore.constant import TASK_TOKEN_HEADER
+from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
+
+PROTOBUF = "application/protobuf"
+SERVERAPP = dict(RuntimeVersionMetadata.from_local_component("ServerApp").as_metadata())
+HERE = Node(node_id=SUPERLINK_NODE_ID)
+
+
+class Counted:
+    """Flower's app, counting the requests that reach it."""
+
+    def __init__(self, app) -> None:
+        self.app, self.state, self.paths = app, app.state, []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+def post(client, route: str, body: bytes, token: str | None, **headers: str):
+    sent = {"content-type": PROTOBUF, **SERVERAPP, **headers}
+    if token is not None:
+        sent[TASK_TOKEN_HEADER] = token
+    return client.post(f"/v1/runtime/{route}", content=body, headers=sent)
