@@ -21,7 +21,10 @@ from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.supercore.constant import TaskType
 from flwr.supercore.fab import Fab
-from flwr.supercore.inflatable.inflatable_object import get_object_tree
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    get_object_tree,
+)
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
 from flwr.supernode.nodestate import NodeStateFactory
@@ -232,9 +235,10 @@ def test_every_silo_answers_in_its_supernode_without_flowers_superexec():
     assert warm[warm.index("--port") + 1] == "9123"  # flwr-clientapp's way in (per message)
 
 
-def _interrupted_message(state, run_id: int, fab: bytes) -> str:
-    """What a SuperNode holds when the run stopped while its message was arriving: the run,
-    FAB and context, a task, and a message whose objects are registered but never came."""
+def _message_in_state(state, run_id: int, fab: bytes, *, arrived: bool) -> str:
+    """A SuperNode's state holding a run, its FAB and context, a task, and a train message
+    whose objects are registered and, if ``arrived``, stored (else the run stopped while the
+    message was arriving, and they never came)."""
     run = Run.create_empty(run_id)
     run.fab_id, run.fab_version, run.fab_hash = FAB_ID, FAB_VERSION, app_pin.fab_hash(fab)
     state.store_run(run)
@@ -247,6 +251,9 @@ def _interrupted_message(state, run_id: int, fab: bytes) -> str:
     message.metadata.__dict__["_message_id"] = message.object_id
     state.create_task(task_type=TaskType.CLIENT_APP, run_id=run_id, fab_hash=run.fab_hash)
     state.object_store.preregister(run_id, get_object_tree(message))
+    if arrived:
+        for object_id, stored in get_all_nested_objects(message).items():
+            state.object_store.put(object_id, stored.deflate())
     state.store_message(message)
     return message.metadata.message_id
 
@@ -288,7 +295,7 @@ def test_a_stopped_runs_leftover_task_is_dropped_within_seconds(fab, task_identi
     task_identity(0, 0, 0)
     factory = NodeStateFactory(ObjectStoreFactory())
     state = factory.state()
-    leftover = _interrupted_message(state, 7, fab)
+    leftover = _message_in_state(state, 7, fab, arrived=False)
     runtime = WarmRuntime("127.0.0.1:1", ClientApp(), connect=direct_link(factory),
                           check_fab=fab_check(factory))
     acquired = DirectRuntimeClient(factory).AcquireTask(
@@ -302,9 +309,55 @@ def test_a_stopped_runs_leftover_task_is_dropped_within_seconds(fab, task_identi
     if ended_by == "the SuperNode dropped it":
         state.delete_messages(message_ids=[leftover])
     else:
-        _interrupted_message(state, 8, fab)
+        _message_in_state(state, 8, fab, arrived=False)
     answered.join(timeout=15)
     assert not answered.is_alive() and time.monotonic() - stopped < 5
     task = state.get_tasks(task_ids=[acquired.task.task_id])[0]
     assert task.status.sub_status == SubStatus.FAILED and "stale task" in task.status.details
     assert not state.get_messages(run_ids=[7], is_reply=True)  # nobody waits for a reply
+
+
+@pytest.mark.parametrize("judged_ahead", [True, False])
+def test_a_task_answered_in_the_supernode_gets_its_fab_judged_from_the_state(
+        fab, task_identity, judged_ahead):
+    # The direct link hands the task its FAB without the content (a ~1 MB copy per message):
+    # judged ahead from the SuperNode's state, the task runs; a runtime that judged the
+    # FAB in the task's input instead would see no app there and refuse it (fail closed).
+    task_identity(0, 0, 0)
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state = factory.state()
+    asked = _message_in_state(state, 7, fab, arrived=True)
+    answered: list[Message] = []
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        answered.append(message)
+        return Message(RecordDict({"model": message.content["model"]}), reply_to=message)
+
+    inputs = []
+
+    def link(token):  # the direct link, recording the task inputs it hands out
+        client = direct_link(factory)(token)
+        pull = client.PullTaskInput
+        client.PullTaskInput = lambda request: inputs.append(pull(request)) or inputs[-1]
+        return client
+
+    runtime = WarmRuntime("127.0.0.1:1", app, connect=link,
+                          check_fab=fab_check(factory) if judged_ahead else None)
+    acquired = DirectRuntimeClient(factory).AcquireTask(
+        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+    runtime.run(acquired.task, acquired.token)
+    [task_input] = inputs
+    assert task_input.fab.hash_str == app_pin.fab_hash(fab) and not task_input.fab.content
+    [reply] = state.get_messages(run_ids=[7], is_reply=True)
+    assert reply.metadata.reply_to_message_id == asked
+    task = state.get_tasks(task_ids=[acquired.task.task_id])[0]
+    if judged_ahead:
+        assert [m.metadata.message_id for m in answered] == [asked]
+        assert task.status.sub_status == SubStatus.COMPLETED
+        assert not reply.has_error()
+    else:
+        assert not answered
+        assert reply.error.code == ErrorCode.INVALID_FAB
+        assert "not a readable FAB" in reply.error.reason
