@@ -166,7 +166,7 @@ def _deflated(objects: dict[str, Any], wanted: set[str] | None) -> Iterator[tupl
             yield object_id, objects[object_id].deflate()
 
 
-def _batches(contents: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
+def batches_of(contents: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
     """``contents`` in runs of at most MAX_BATCH_ITEMS and (but for a single larger object)
     MAX_BATCH_BYTES."""
     batch: list[tuple[str, bytes]] = []
@@ -192,7 +192,7 @@ def _push_batched(objects: dict[str, Any], push: BatchablePush, wanted: set[str]
     from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 
     pushed: list[str] = []
-    for batch in _batches(_deflated(objects, wanted)):
+    for batch in batches_of(_deflated(objects, wanted)):
         answers = push.sender.send("dpcfl-push-objects", [PushObjectRequest(
             node=push.node, run_id=push.run_id, session_id=push.session_id,
             object_id=object_id, object_content=content).SerializeToString()
@@ -268,4 +268,4 @@ def install() -> bool:
 
 
 __all__ = ["BATCH_ROUTES", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "BatchablePull",
-           "BatchablePush", "ObjectBatch", "install"]
+           "BatchablePush", "ObjectBatch", "batches_of", "install"]

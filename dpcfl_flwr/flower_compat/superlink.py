@@ -62,6 +62,7 @@ All of it is latency tuning: :func:`run_superlink` installs it only while the ga
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import time
@@ -413,7 +414,7 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
     Returns or raises SystemExit as Flower's SuperLink does."""
     from flwr.superlink.cli import flower_superlink
 
-    from . import control_middleware, runtime_fast_path
+    from . import control_middleware, fleet_batches, gate, runtime_fast_path
 
     if install(pull_hold, REPLY_HOLD):
         print(f"dpcfl: the SuperLink holds an empty SuperNode poll up to "
@@ -426,6 +427,10 @@ def run_superlink(flower_arguments: Sequence[str], pull_hold: float) -> None:
               file=sys.stderr, flush=True)
     if runtime_fast_path.install():
         print("dpcfl: the ServerApp's object requests skip FastAPI's routing",
+              file=sys.stderr, flush=True)
+    if gate.TUNING and fleet_batches.serve(
+            importlib.import_module("flwr.superlink.cli.flower_superlink")):
+        print("dpcfl: SuperNodes may pull and push a message's objects in one call",
               file=sys.stderr, flush=True)
     sys.argv = ["flower-superlink", *flower_arguments]
     flower_superlink()

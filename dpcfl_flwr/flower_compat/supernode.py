@@ -258,7 +258,7 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
-    from . import gate
+    from . import fleet_batches, gate
     from .direct_runtime import serve_in_supernode
 
     reply_stored = threading.Event()
@@ -272,6 +272,7 @@ def run_supernode(flower_arguments: Sequence[str], idle_poll: float, per_message
         if (session := session_file(flower_arguments, get_flwr_home())) is not None:
             remember_session(connection, session)
         shorten_waits(loop, idle_poll, reply_stored)
+        fleet_batches.install(connection, loop)
         print(f"dpcfl: SuperNode polls the SuperLink every {idle_poll:g} s when idle "
               f"(Flower's default: {FLOWER_IDLE_WAIT:g} s)", file=sys.stderr, flush=True)
     cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
