@@ -5,7 +5,9 @@ SuperNode (the deployment tests run a whole R-DPCFL run through it over gRPC).""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 import types
@@ -23,11 +25,13 @@ from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supernode.nodestate import NodeStateFactory
 
 from dpcfl_flwr.flower_compat.direct_runtime import (
+    CLIENTAPP_NICENESS,
     DirectRuntimeClient,
     direct_link,
     runtime_api_address,
     serve_in_supernode,
     serve_or_stop,
+    yield_to_the_supernode,
 )
 from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
 
@@ -167,3 +171,20 @@ def test_the_supernode_starts_the_runtime_with_its_api_and_its_loop_wakes_it():
     loop._pull_and_store_message(state=None)  # wakes it for the look that ends it
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's niceness: Linux")
+def test_the_clientapp_thread_yields_to_its_supernodes_threads():
+    seen = {}
+
+    def clientapp_thread() -> None:
+        seen["yielded"] = yield_to_the_supernode()
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = threading.Thread(target=clientapp_thread)
+    worker.start()
+    worker.join()
+    assert seen["yielded"]
+    assert seen["thread"] == min(19, before + CLIENTAPP_NICENESS)  # the thread that trains
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the rest
