@@ -40,7 +40,7 @@ from .protocol import (
     pack_state,
     reply,
 )
-from .runs.heap import give_back_freed_memory
+from .runs.heap import after_reply, give_back_freed_memory
 from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo.round import evaluate_round, train_round
 from .silo.silo import BudgetExceeded, RoundRepeated, Silo
@@ -125,9 +125,9 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
                 # a deployed silo answers for one partition, whose records it caches
                 # (silo/silo.py): the benchmark they were sliced from is dead weight until
                 # another run asks for other records; and what the message's round freed
-                # goes back to the system (runs/heap.py)
-                release_cached_datasets()
-                give_back_freed_memory()
+                # goes back to the system (runs/heap.py), once the reply has left
+                after_reply(release_cached_datasets)
+                after_reply(give_back_freed_memory)
 
     wrapped.__name__ = handler.__name__
     return wrapped

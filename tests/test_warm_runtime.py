@@ -41,6 +41,7 @@ from dpcfl_flwr.flower_compat.direct_runtime import (
     fab_check,
 )
 from dpcfl_flwr.flower_compat.warm_runtime import WarmRuntime
+from dpcfl_flwr.runs.heap import after_reply
 
 PACKAGE = Path(dpcfl_flwr.__file__).parent
 FAB_ID, FAB_VERSION = "dpcfl/dpcfl-flwr", "0.1.0"
@@ -361,3 +362,34 @@ def test_a_task_answered_in_the_supernode_gets_its_fab_judged_from_the_state(
         assert not answered
         assert reply.error.code == ErrorCode.INVALID_FAB
         assert "not a readable FAB" in reply.error.reason
+
+
+def test_the_apps_clean_up_runs_once_its_reply_is_stored_and_the_supernode_told(
+        fab, task_identity):
+    # A silo's heap trim (runs/heap.py) waits for the reply: the SuperNode pushes the reply
+    # while the ClientApp's thread gives memory back, instead of after it.
+    task_identity(0, 0, 0)
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state = factory.state()
+    asked = _message_in_state(state, 7, fab, arrived=True)
+    events: list[str] = []
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        after_reply(lambda: events.append("clean-up"))
+        events.append("handled")
+        return Message(RecordDict({"model": message.content["model"]}), reply_to=message)
+
+    def told() -> None:
+        replies = state.get_messages(run_ids=[7], is_reply=True)
+        events.append(f"told, {len(replies)} reply to {replies[0].metadata.reply_to_message_id}")
+
+    runtime = WarmRuntime("127.0.0.1:1", app, connect=direct_link(factory),
+                          check_fab=fab_check(factory), on_task_done=told)
+    acquired = DirectRuntimeClient(factory).AcquireTask(
+        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+    runtime.run(acquired.task, acquired.token)
+    assert events == ["handled", f"told, 1 reply to {asked}", "clean-up"]
+    after_reply(lambda: events.append("at once"))  # no reply being sent: now
+    assert events[-1] == "at once"

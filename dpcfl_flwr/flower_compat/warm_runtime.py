@@ -69,6 +69,7 @@ from flwr.supernode.runtime.run_clientapp import (
 )
 
 from .. import app_pin
+from ..runs.heap import reply_first
 from .environment import flower_tool
 
 logger = logging.getLogger(__name__)
@@ -172,11 +173,14 @@ class WarmRuntime:
             acquirer.close()
 
     def run(self, task: Task, token: str) -> None:
-        try:
-            self._run(task, token)
-        finally:
-            if self.on_task_done is not None:
-                self.on_task_done()
+        """Answer the task; the app's clean-up that waits for the reply (runs/heap.py) runs
+        once the reply is stored and the SuperNode told, so the reply leaves first."""
+        with reply_first():
+            try:
+                self._run(task, token)
+            finally:
+                if self.on_task_done is not None:
+                    self.on_task_done()
 
     def _run(self, task: Task, token: str) -> None:
         refused = self._judge_ahead(task)

@@ -9,13 +9,20 @@ the quick example, a silo's resident memory stayed ~150 MB above what it held be
 rounds, and 21 silos on one machine held 21 such peaks. ``malloc_trim(0)`` returns the free
 pages of every heap. It takes a few milliseconds, once per message, and is called only
 outside simulation (there one process serves every silo, one message after another).
+
+The silo's reply need not wait for it: where the reply's sender says so (a warm ClientApp's
+runtime, :func:`reply_first`), :func:`after_reply` holds the work until the reply has left.
+On a machine whose cores the silos share, the trim otherwise held each reply a little longer
+(5-9 ms of CPU per message on the quick example, in a thread that yields to the others).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 
 @functools.cache
@@ -39,4 +46,32 @@ def give_back_freed_memory() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-__all__ = ["give_back_freed_memory"]
+_replying = threading.local()  # .waiting: the work held until this thread's reply has left
+
+
+def after_reply(work: Callable[[], object]) -> None:
+    """Run ``work`` once the reply to the message this thread answers has left, if its
+    sender holds work until then (:func:`reply_first`); else now."""
+    waiting = getattr(_replying, "waiting", None)
+    if waiting is None:
+        work()
+    else:
+        waiting.append(work)
+
+
+@contextlib.contextmanager
+def reply_first() -> Iterator[None]:
+    """The work that :func:`after_reply` is given inside the block runs as the block ends
+    (the reply's sender ends it once the reply has left), even if it fails."""
+    outer = getattr(_replying, "waiting", None)
+    waiting: list[Callable[[], object]] = []
+    _replying.waiting = waiting
+    try:
+        yield
+    finally:
+        _replying.waiting = outer
+        for work in waiting:
+            work()
+
+
+__all__ = ["after_reply", "give_back_freed_memory", "reply_first"]
