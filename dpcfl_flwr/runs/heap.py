@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -62,7 +65,8 @@ def after_reply(work: Callable[[], object]) -> None:
 @contextlib.contextmanager
 def reply_first() -> Iterator[None]:
     """The work that :func:`after_reply` is given inside the block runs as the block ends
-    (the reply's sender ends it once the reply has left), even if it fails."""
+    (the reply's sender ends it once the reply has left), even if the block fails; work that
+    fails is logged, not raised (clean-up must not stop the runtime that sends replies)."""
     outer = getattr(_replying, "waiting", None)
     waiting: list[Callable[[], object]] = []
     _replying.waiting = waiting
@@ -71,7 +75,10 @@ def reply_first() -> Iterator[None]:
     finally:
         _replying.waiting = outer
         for work in waiting:
-            work()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - logged: the next message must still be answered
+                logger.exception("clean-up after a reply failed")
 
 
 __all__ = ["after_reply", "give_back_freed_memory", "reply_first"]
