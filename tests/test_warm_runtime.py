@@ -10,6 +10,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -318,6 +319,23 @@ def test_a_stopped_runs_leftover_task_is_dropped_within_seconds(fab, task_identi
     assert not state.get_messages(run_ids=[7], is_reply=True)  # nobody waits for a reply
 
 
+def _supernode_holding_a_train_message(fab: bytes) -> tuple[NodeStateFactory, Any, str]:
+    """(state factory, state, message id): a SuperNode's state holding a run of ``fab`` and
+    a train message for it whose objects are all in."""
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state = factory.state()
+    return factory, state, _message_in_state(state, 7, fab, arrived=True)
+
+
+def _answer_its_task(factory: NodeStateFactory, runtime: WarmRuntime) -> Any:
+    """Acquire the state's pending task as the SuperExec does and let ``runtime`` answer it;
+    returns the acquisition (task and token)."""
+    acquired = DirectRuntimeClient(factory).AcquireTask(
+        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+    runtime.run(acquired.task, acquired.token)
+    return acquired
+
+
 @pytest.mark.parametrize("judged_ahead", [True, False])
 def test_a_task_answered_in_the_supernode_gets_its_fab_judged_from_the_state(
         fab, task_identity, judged_ahead):
@@ -325,9 +343,7 @@ def test_a_task_answered_in_the_supernode_gets_its_fab_judged_from_the_state(
     # judged ahead from the SuperNode's state, the task runs; a runtime that judged the
     # FAB in the task's input instead would see no app there and refuse it (fail closed).
     task_identity(0, 0, 0)
-    factory = NodeStateFactory(ObjectStoreFactory())
-    state = factory.state()
-    asked = _message_in_state(state, 7, fab, arrived=True)
+    factory, state, asked = _supernode_holding_a_train_message(fab)
     answered: list[Message] = []
     app = ClientApp()
 
@@ -346,9 +362,7 @@ def test_a_task_answered_in_the_supernode_gets_its_fab_judged_from_the_state(
 
     runtime = WarmRuntime("127.0.0.1:1", app, connect=link,
                           check_fab=fab_check(factory) if judged_ahead else None)
-    acquired = DirectRuntimeClient(factory).AcquireTask(
-        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
-    runtime.run(acquired.task, acquired.token)
+    acquired = _answer_its_task(factory, runtime)
     [task_input] = inputs
     assert task_input.fab.hash_str == app_pin.fab_hash(fab) and not task_input.fab.content
     [reply] = state.get_messages(run_ids=[7], is_reply=True)
@@ -369,9 +383,7 @@ def test_the_apps_clean_up_runs_once_its_reply_is_stored_and_the_supernode_told(
     # A silo's heap trim (runs/heap.py) waits for the reply: the SuperNode pushes the reply
     # while the ClientApp's thread gives memory back, instead of after it.
     task_identity(0, 0, 0)
-    factory = NodeStateFactory(ObjectStoreFactory())
-    state = factory.state()
-    asked = _message_in_state(state, 7, fab, arrived=True)
+    factory, state, asked = _supernode_holding_a_train_message(fab)
     events: list[str] = []
     app = ClientApp()
 
@@ -387,9 +399,7 @@ def test_the_apps_clean_up_runs_once_its_reply_is_stored_and_the_supernode_told(
 
     runtime = WarmRuntime("127.0.0.1:1", app, connect=direct_link(factory),
                           check_fab=fab_check(factory), on_task_done=told)
-    acquired = DirectRuntimeClient(factory).AcquireTask(
-        AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
-    runtime.run(acquired.task, acquired.token)
+    _answer_its_task(factory, runtime)
     assert events == ["handled", f"told, 1 reply to {asked}", "clean-up"]
     after_reply(lambda: events.append("at once"))  # no reply being sent: now
     assert events[-1] == "at once"
