@@ -148,10 +148,9 @@ def test_a_messages_objects_come_and_its_replys_go_in_one_call_each(fleet):
             assert state.get_object(run_id, object_id) == content
 
 
+@pytest.mark.parametrize("fleet", ["batches"], indirect=True)  # a stock one has none
 def test_a_batch_item_naming_another_node_is_refused(fleet):
     state, run_id, node_id, keys, address, methods, batches = fleet
-    if not batches:
-        pytest.skip("a stock SuperLink has no batch methods")
     other = state.create_node("owner", "other", public_key_to_bytes(generate_key_pairs()[1]),
                               30.0)
     with _connected(address, keys) as (node, receive, *_):
