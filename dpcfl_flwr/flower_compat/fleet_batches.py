@@ -3,9 +3,8 @@
 Flower 1.39's SuperNode pulls every object of a message it receives with its own
 ``PullObject`` call and pushes every object of its reply with its own ``PushObject`` call: on
 the quick example 3 and 3 a round per silo, each a gRPC call that the SuperNode signs and the
-SuperLink verifies (an ECDSA P-384 signature: ~0.5 ms to sign, ~0.9 ms to verify here) and
-serves in Python, on the cores the silos train on; with 21 silos, 126 of a round's ~190 Fleet
-calls.
+SuperLink verifies (node authentication: an ECDSA signature per call) and serves in Python, on
+the cores the silos train on; with 21 silos, 126 of a round's ~190 Fleet calls.
 
 Two methods are added to the SuperLink's Fleet service, ``DpcflPullObjects`` and
 ``DpcflPushObjects`` (:func:`serve`). Their request, a :data:`NodeBatch`, names the calling
