@@ -151,15 +151,21 @@ def _round_trip(link: Link, grid) -> tuple[Message, Message]:
     return sent, got
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
-        fast_path, task_identity, monkeypatch):
+@pytest.fixture()
+def batching_grids(monkeypatch):
+    """Flower's HttpGrid module with the batches installed, restored afterwards."""
     for name in ("pull_objects", "push_objects", "make_pull_object_fn_protobuf",
                  "make_push_object_fn_protobuf"):  # install() may replace them: restore after
         monkeypatch.setattr(http_grid, name, getattr(http_grid, name))
+    monkeypatch.setattr(http_grid.HttpGrid, "pull_messages", http_grid.HttpGrid.pull_messages)
     object_batches.install()  # (another test of this process may have installed it)
     assert http_grid.pull_objects.__module__ == object_batches.__name__
     assert not object_batches.install()  # once
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
+        fast_path, task_identity, batching_grids):
     link = Link(task_identity)
     grid, transport = _grid(link, ObjectRequestsFastPath(link.flowers) if fast_path
                             else link.flowers)
@@ -179,3 +185,34 @@ def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
         assert [r for r in routes if r.startswith("dpcfl-")] == ["dpcfl-push-objects"]
         assert routes[:3] == ["push-messages", "dpcfl-push-objects", "push-object"]
         assert routes.count("pull-object") == 2 * len(get_all_nested_objects(sent))
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(
+        fast_path, task_identity, batching_grids):
+    link = Link(task_identity)
+    grid, transport = _grid(link, ObjectRequestsFastPath(link.flowers) if fast_path
+                            else link.flowers)
+    paths = []
+    transport.event_hooks["request"].append(lambda request: paths.append(request.url.path))
+    with transport:
+        values = [np.linspace(0, 1, 50, dtype="float32") + k for k in range(3)]
+        instructions = [link.instruction(v) for v in values]
+        ids = grid.push_messages(instructions)
+        sent = {i.object_id: link.store_reply(i, 2 * v)
+                for i, v in zip(instructions, values, strict=True)}
+        del paths[:]
+        got = list(grid.pull_messages(ids))
+    assert sorted(m.metadata.reply_to_message_id for m in got) == sorted(ids)
+    for reply in got:  # each reply whole, whichever way its objects came
+        np.testing.assert_array_equal(
+            reply.content["update"]["w"].numpy(),
+            sent[reply.metadata.reply_to_message_id].content["update"]["w"].numpy())
+    routes = [p.rsplit("/", 1)[1] for p in paths]
+    if fast_path:
+        assert routes == ["pull-messages", "dpcfl-pull-objects",
+                          *["confirm-message-received"] * 3]
+    else:  # Flower's SuperLink took no batch (the push's was refused): one per object
+        assert "dpcfl-pull-objects" not in routes
+        assert routes.count("pull-object") == sum(
+            len(get_all_nested_objects(reply)) for reply in sent.values())

@@ -18,7 +18,9 @@ sub-request is therefore checked exactly as it would be alone. A batch holds at 
 On the ServerApp's side (:func:`install`), the two helpers Flower's ``HttpGrid`` module calls
 (``pull_objects``, ``push_objects``) are replaced, in that module only, by ones that send
 batches when the object function comes from the grid's own Runtime API client, and otherwise
-call Flower's. What Flower's helpers promise stays: an object the SuperLink does not know
+call Flower's. A poll that brings several replies has all their objects pulled in one batch
+as its answer arrives (``HttpGrid.pull_messages``); Flower's per-reply pulls then take them
+from there. What Flower's helpers promise stays: an object the SuperLink does not know
 raises ``ObjectPullError``, one it refuses to store ``ObjectPushError``; objects not yet
 available are pulled again by Flower's own helper, with its back-off and time limit; pushed
 objects leave the dictionary unless asked to stay. A SuperLink without the batch routes (stock
@@ -211,6 +213,37 @@ def _push_batched(objects: dict[str, Any], push: BatchablePush, wanted: set[str]
     return True
 
 
+#: Objects of the replies a poll brought, pulled in one batch as its answer arrived: Runtime
+#: API client -> object id -> content, until Flower's per-reply pulls take them.
+_prefetched: weakref.WeakKeyDictionary[Any, dict[str, bytes]] = weakref.WeakKeyDictionary()
+
+
+def _prefetch(sender: _BatchSender, node: Any, run_id: int, response: Any) -> dict[str, bytes]:
+    """The available objects of every reply in ``response`` (a PullAppMessagesResponse),
+    pulled in batches; what a batch did not bring is left to the per-reply pulls."""
+    from flwr.proto.message_pb2 import (  # pylint: disable=E0611
+        PullObjectRequest,
+        PullObjectResponse,
+    )
+    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+
+    object_ids = list(dict.fromkeys(tree.object_id for root in response.message_object_trees
+                                    for tree in iterate_object_tree(root)))
+    contents: dict[str, bytes] = {}
+    for start in range(0, len(object_ids), MAX_BATCH_ITEMS):
+        part = object_ids[start:start + MAX_BATCH_ITEMS]
+        answers = sender.send("dpcfl-pull-objects", [PullObjectRequest(
+            node=node, run_id=run_id, object_id=object_id).SerializeToString()
+            for object_id in part])
+        if answers is None:
+            break
+        for object_id, raw in zip(part, answers, strict=True):
+            answer = PullObjectResponse.FromString(raw)
+            if answer.object_found and answer.object_available:
+                contents[object_id] = answer.object_content
+    return contents
+
+
 def _batchable(client_call: Callable[..., Any]) -> bool:
     """Whether ``client_call`` is a method of a Runtime API client that can send a batch."""
     return hasattr(getattr(client_call, "__self__", None), "_unary_unary")
@@ -229,11 +262,17 @@ def install() -> bool:
 
     def pull_objects(object_ids: list[str], pull_object_fn: Callable[[str], bytes],
                      **options: Any) -> dict[str, bytes]:
-        if isinstance(pull_object_fn, BatchablePull) and pull_object_fn.sender.usable():
-            contents = _pull_batched(flowers_pull_objects, list(object_ids), pull_object_fn,
-                                     **options)
-            if contents is not None:
-                return contents
+        if isinstance(pull_object_fn, BatchablePull):
+            ready = _prefetched.get(pull_object_fn.sender.client, {})
+            have = {i: ready.pop(i) for i in object_ids if i in ready}
+            rest = [i for i in object_ids if i not in have]
+            if not rest:
+                return have
+            if pull_object_fn.sender.usable():
+                contents = _pull_batched(flowers_pull_objects, rest, pull_object_fn, **options)
+                if contents is not None:
+                    return {**have, **contents}
+            return {**have, **flowers_pull_objects(rest, pull_object_fn, **options)}
         return flowers_pull_objects(object_ids, pull_object_fn, **options)  # type: ignore
 
     def push_objects(objects: dict[str, Any], push_object_fn: Callable[[str, bytes], None], *,
@@ -260,6 +299,31 @@ def install() -> bool:
             return flowers  # type: ignore[no-any-return]
         return BatchablePush(flowers, push_object_protobuf, node, run_id, session_id)
 
+    flowers_pull_messages = getattr(http_grid.HttpGrid.pull_messages, "__wrapped__",
+                                    http_grid.HttpGrid.pull_messages)
+
+    def pull_messages(self: Any, message_ids: Iterable[str]) -> Any:
+        client = self._runtime_client
+        sender = _BatchSender(client)
+        if not _batchable(client.PullMessages) or not sender.usable():
+            return flowers_pull_messages(self, message_ids)
+        flowers_poll = client.PullMessages
+
+        def poll_and_prefetch(request: Any) -> Any:
+            response = flowers_poll(request)
+            if len(response.messages_list) > 1:  # one reply: its own batch is as cheap
+                _prefetched[client] = _prefetch(sender, self.node, self._run.run_id, response)
+            return response
+
+        client.PullMessages = poll_and_prefetch  # for this call only
+        try:
+            return flowers_pull_messages(self, message_ids)
+        finally:
+            del client.PullMessages
+            _prefetched.pop(client, None)
+
+    pull_messages.__wrapped__ = flowers_pull_messages  # type: ignore[attr-defined]
+    http_grid.HttpGrid.pull_messages = pull_messages  # type: ignore[method-assign]
     http_grid.make_pull_object_fn_protobuf = make_pull_object_fn  # type: ignore[assignment]
     http_grid.make_push_object_fn_protobuf = make_push_object_fn  # type: ignore[assignment]
     http_grid.pull_objects = pull_objects  # type: ignore[assignment]
