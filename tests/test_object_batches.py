@@ -127,8 +127,10 @@ def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):
         assert link.flowers.paths == ["/v1/runtime/dpcfl-pull-objects"] * 3
 
 
-def _grid(link: Link, app) -> tuple[http_grid.HttpGrid, TestClient]:
-    """Flower's ServerApp grid with its real Runtime API client, sending to ``app``."""
+def _grid(link: Link, fast_path: bool) -> tuple[http_grid.HttpGrid, TestClient, list[str]]:
+    """Flower's ServerApp grid with its real Runtime API client, sending to the link's app
+    behind the fast path or to Flower's app alone; and the paths it requests, in order."""
+    app = ObjectRequestsFastPath(link.flowers) if fast_path else link.flowers
     grid = http_grid.HttpGrid(token=link.token, insecure=True)
     client = RuntimeHttpClient("http://testserver", interceptors=[
         RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
@@ -137,7 +139,9 @@ def _grid(link: Link, app) -> tuple[http_grid.HttpGrid, TestClient]:
     client._client = transport
     grid._client = client
     grid.set_run(Run.create_empty(link.run_id))
-    return grid, transport
+    paths: list[str] = []
+    transport.event_hooks["request"].append(lambda request: paths.append(request.url.path))
+    return grid, transport, paths
 
 
 def _round_trip(link: Link, grid) -> tuple[Message, Message]:
@@ -167,10 +171,7 @@ def batching_grids(monkeypatch):
 def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
         fast_path, task_identity, batching_grids):
     link = Link(task_identity)
-    grid, transport = _grid(link, ObjectRequestsFastPath(link.flowers) if fast_path
-                            else link.flowers)
-    paths = []
-    transport.event_hooks["request"].append(lambda request: paths.append(request.url.path))
+    grid, transport, paths = _grid(link, fast_path)
     with transport:
         for _ in range(2):
             sent, got = _round_trip(link, grid)
@@ -191,10 +192,7 @@ def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
 def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(
         fast_path, task_identity, batching_grids):
     link = Link(task_identity)
-    grid, transport = _grid(link, ObjectRequestsFastPath(link.flowers) if fast_path
-                            else link.flowers)
-    paths = []
-    transport.event_hooks["request"].append(lambda request: paths.append(request.url.path))
+    grid, transport, paths = _grid(link, fast_path)
     with transport:
         values = [np.linspace(0, 1, 50, dtype="float32") + k for k in range(3)]
         instructions = [link.instruction(v) for v in values]
