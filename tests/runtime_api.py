@@ -1,12 +1,14 @@
 """Requests to a SuperLink's Runtime API as a ServerApp sends them, over Starlette's test
 client, and Flower's app counting the ones that reach it (tests of the SuperLink's fast path
-and of the ServerApp's object batches)."""
+and of the ServerApp's object batches); and a message stored in a link state as a push's first
+request stores it (also for the SuperNodes' object batches)."""
 
 from __future__ import annotations
 
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.supercore.constant import TASK_TOKEN_HEADER
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
 
 PROTOBUF = "application/protobuf"
@@ -31,3 +33,14 @@ def post(client, route: str, body: bytes, token: str | None, **headers: str):
     if token is not None:
         sent[TASK_TOKEN_HEADER] = token
     return client.post(f"/v1/runtime/{route}", content=body, headers=sent)
+
+
+def stored_without_objects(state, run_id: int, message) -> tuple[str, list[str], dict]:
+    """Store ``message`` in the link ``state`` with its object tree, as a push's first request
+    does, in a new push session of ``run_id``: (the session, the object ids still to push,
+    the message's objects by id)."""
+    session = state.start_session(run_id)
+    stored, missing = state.store_message_and_object_tree(message, get_object_tree(message),
+                                                          session)
+    assert stored and missing
+    return session, missing, get_all_nested_objects(message)

@@ -35,6 +35,7 @@ from flwr.supernode import start_client_internal as loop
 
 from dpcfl_flwr.flower_compat import fleet_batches
 from dpcfl_flwr.flower_compat.fleet_batches import NodeBatch
+from tests.runtime_api import stored_without_objects
 
 flower_superlink = importlib.import_module("flwr.superlink.cli.flower_superlink")
 
@@ -102,11 +103,7 @@ def _instruction(state, run_id: int, node_id: int) -> Message:
         dst_node_id=node_id, message_type="train")
     message.metadata.__dict__["_run_id"] = run_id
     message.metadata.__dict__["_message_id"] = message.object_id
-    session = state.start_session(run_id)
-    stored, missing = state.store_message_and_object_tree(message, get_object_tree(message),
-                                                           session)
-    assert stored and missing
-    objects = get_all_nested_objects(message)
+    session, missing, objects = stored_without_objects(state, run_id, message)
     for object_id in missing:
         assert state.store_object(run_id, session, object_id, objects[object_id].deflate())
     return message

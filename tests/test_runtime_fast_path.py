@@ -19,14 +19,13 @@ from flwr.proto.message_pb2 import (  # pylint: disable=E0611
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.server.superlink.fleet.vce import vce_api
 from flwr.supercore.constant import NOOP_FEDERATION_ID, TaskType
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 from flwr.superlink import main as superlink_main
 from starlette.testclient import TestClient
 
 from dpcfl_flwr import flower_compat
 from dpcfl_flwr.flower_compat import runtime_fast_path
 from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
-from tests.runtime_api import HERE, PROTOBUF, Counted, post
+from tests.runtime_api import HERE, PROTOBUF, Counted, post, stored_without_objects
 
 
 def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
@@ -45,11 +44,7 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
     message = Message(RecordDict({"model": ArrayRecord({"w": Array(
         np.arange(6, dtype="float32"))})}), dst_node_id=node, message_type="train")
     message.metadata.__dict__["_message_id"] = message.object_id
-    session = state.start_session(run_id)
-    stored, missing = state.store_message_and_object_tree(message, get_object_tree(message),
-                                                          session)
-    assert stored and missing
-    objects = get_all_nested_objects(message)
+    session, missing, objects = stored_without_objects(state, run_id, message)
     answers = []
     with TestClient(wrap(flowers)) as client:
         def record(response) -> None:
