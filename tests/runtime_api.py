@@ -1,10 +1,13 @@
 """Requests to a SuperLink's Runtime API as a ServerApp sends them, over Starlette's test
 client, and Flower's app counting the ones that reach it (tests of the SuperLink's fast path
-and of the ServerApp's object batches); and a message stored in a link state as a push's first
-request stores it (also for the SuperNodes' object batches)."""
+and of the ServerApp's object batches); a message stored in a link state as a push's first
+request stores it (also for the SuperNodes' object batches), and a node's reply stored as its
+SuperNode stores it."""
 
 from __future__ import annotations
 
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
 from flwr.supercore.constant import TASK_TOKEN_HEADER
@@ -44,3 +47,18 @@ def stored_without_objects(state, run_id: int, message) -> tuple[str, list[str],
                                                           session)
     assert stored and missing
     return session, missing, get_all_nested_objects(message)
+
+
+def store_reply(state, run_id: int, node_id: int, instruction: Message,
+                values: np.ndarray) -> Message:
+    """What node ``node_id``'s SuperNode does with ``instruction`` (a message of run
+    ``run_id`` in the link ``state``): take it, then store its reply (``values`` as its one
+    array) and push all the reply's objects."""
+    state.get_message_ins(node_id=node_id, limit=None)
+    reply = Message(RecordDict({"update": ArrayRecord({"w": Array(values)})}),
+                    reply_to=instruction)
+    reply.metadata.__dict__["_message_id"] = reply.object_id
+    session, missing, objects = stored_without_objects(state, run_id, reply)
+    for object_id in missing:
+        assert state.store_object(run_id, session, object_id, objects[object_id].deflate())
+    return reply

@@ -36,7 +36,7 @@ from starlette.testclient import TestClient
 from dpcfl_flwr.flower_compat import object_batches
 from dpcfl_flwr.flower_compat.object_batches import ObjectBatch
 from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
-from tests.runtime_api import HERE, Counted, post
+from tests.runtime_api import HERE, Counted, post, store_reply
 
 
 class Link:
@@ -62,19 +62,7 @@ class Link:
     def store_reply(self, instruction: Message, values: np.ndarray) -> Message:
         """What the node's SuperNode does: take the instruction, store its reply and push
         the reply's objects."""
-        self.state.get_message_ins(node_id=self.node, limit=None)
-        reply = Message(RecordDict({"update": ArrayRecord({"w": Array(values)})}),
-                        reply_to=instruction)
-        reply.metadata.__dict__["_message_id"] = reply.object_id
-        session = self.state.start_session(self.run_id)
-        stored, missing = self.state.store_message_and_object_tree(
-            reply, get_object_tree(reply), session)
-        assert stored
-        objects = get_all_nested_objects(reply)
-        for object_id in missing:
-            assert self.state.store_object(self.run_id, session, object_id,
-                                           objects[object_id].deflate())
-        return reply
+        return store_reply(self.state, self.run_id, self.node, instruction, values)
 
 
 def test_each_request_of_a_batch_gets_the_answer_it_gets_alone(task_identity):

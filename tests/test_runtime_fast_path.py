@@ -1,7 +1,7 @@
-"""The SuperLink answers the ServerApp's object requests without FastAPI's routing, and every
-answer is the one Flower's own app gives: Flower's real SuperLink app is built twice (two
-fresh link states, in memory or SQLite), once as Flower serves it and once behind the fast
-path, and both get the same requests over Starlette's test client.
+"""The SuperLink answers the ServerApp's object requests and reply polls without FastAPI's
+routing, and every answer is the one Flower's own app gives: Flower's real SuperLink app is
+built twice (two fresh link states, in memory or SQLite), once as Flower serves it and once
+behind the fast path, and both get the same requests over Starlette's test client.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from flwr.proto.message_pb2 import (  # pylint: disable=E0611
     PushObjectRequest,
 )
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+    PullAppMessagesRequest,
+    PullAppMessagesResponse,
+)
 from flwr.server.superlink.fleet.vce import vce_api
 from flwr.supercore.constant import NOOP_FEDERATION_ID, TaskType
 from flwr.superlink import main as superlink_main
@@ -25,7 +29,9 @@ from starlette.testclient import TestClient
 from dpcfl_flwr import flower_compat
 from dpcfl_flwr.flower_compat import runtime_fast_path
 from dpcfl_flwr.flower_compat.runtime_fast_path import ObjectRequestsFastPath
-from tests.runtime_api import HERE, PROTOBUF, Counted, post, stored_without_objects
+from tests.runtime_api import HERE, PROTOBUF, Counted, post, store_reply, stored_without_objects
+
+POLLS = 4  # the reply polls among the requests
 
 
 def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
@@ -56,6 +62,13 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
                 if pulled.object_content == objects[message.object_id].deflate():
                     pulled.object_content = b"<the message>"
                 body = pulled.SerializeToString()
+            if (response.status_code == 200 and response.request.url.path.endswith("pull-messages")
+                    and response.headers["content-type"] == PROTOBUF):
+                # the replies' ids name this state's run: keep what they are and answer
+                polled = PullAppMessagesResponse.FromString(body)
+                body = repr([(m.metadata.message_type, m.metadata.src_node_id == node,
+                              m.metadata.reply_to_message_id == message.object_id)
+                             for m in polled.messages_list]).encode()
             headers = sorted((k, v) for k, v in response.headers.items()
                              if k != "content-length")  # the message's length names its run
             answers.append((response.status_code, headers, body))
@@ -64,6 +77,14 @@ def exchange(wrap, task_identity) -> tuple[list[tuple], list[str]]:
             record(post(client, "push-object", PushObjectRequest(
                 node=HERE, run_id=run_id, session_id=session, object_id=object_id,
                 object_content=objects[object_id].deflate()).SerializeToString(), token))
+        # the ServerApp's reply poll: nothing yet; the node's reply; Flower's app answers the
+        # last two (no token, a body that does not parse)
+        poll = PullAppMessagesRequest(message_ids=[message.object_id]).SerializeToString()
+        record(post(client, "pull-messages", poll, token))
+        store_reply(state, run_id, node, message, np.ones(3, dtype="float32"))
+        record(post(client, "pull-messages", poll, token))
+        record(post(client, "pull-messages", poll, None))
+        record(post(client, "pull-messages", b"\xff\xff\xff", token))
         pull = PullObjectRequest(node=HERE, run_id=run_id, object_id=message.object_id)
         record(post(client, "pull-object", pull.SerializeToString(), token))
         record(post(client, "pull-object", PullObjectRequest(
@@ -104,12 +125,15 @@ def test_object_requests_skip_flowers_routing_and_get_flowers_answers(
     pulled = PullObjectResponse.FromString(flowers[-11][2])
     assert pulled.object_found and pulled.object_content == b"<the message>"
     statuses = [status for status, _, _ in flowers]
-    pushes = len(statuses) - 11
-    assert statuses == [200] * pushes + [200, 200, 412, 401, 401, 415, 400, 412, 200, 200,
-                                         200], statuses
+    pushes = len(statuses) - 11 - POLLS
+    assert statuses == [200] * pushes + [200, 200, 401, 400] + [
+        200, 200, 412, 401, 401, 415, 400, 412, 200, 200, 200], statuses
+    polls = [body for _, _, body in flowers[pushes:pushes + 2]]
+    assert polls == [b"[]", repr([("train", True, True)]).encode()], polls
     assert len(reached_flower) == len(statuses)
     # only the refused requests and the health check reached Flower's app
-    assert reached_ours == ["/v1/runtime/pull-object"] * 5 + ["/health"]
+    assert reached_ours == (["/v1/runtime/pull-messages"] * 2 + ["/v1/runtime/pull-object"] * 5
+                            + ["/health"])
 
 
 def test_install_only_on_the_known_flower_version(monkeypatch):

@@ -1,4 +1,5 @@
-"""The ServerApp's object requests answered without FastAPI's per-request machinery.
+"""The ServerApp's object requests and reply polls answered without FastAPI's per-request
+machinery.
 
 Flower 1.39's ServerApp reaches the SuperLink over the Runtime HTTP API with one request per
 object it pushes or pulls and one per reply it confirms: ~5 of the ~6 Runtime API requests per
@@ -8,15 +9,18 @@ worker thread and Flower's protobuf translation, all on the SuperLink's event-lo
 which took about half of the SuperLink's CPU in gRPC rounds, on the cores the silos train on.
 
 :class:`ObjectRequestsFastPath` answers those three routes (``pull-object``, ``push-object``,
-``confirm-message-received``) itself, with what Flower's route would use: the same protobuf
-request and response bodies, the same Runtime version check, the same task-token rule
-(exactly one token header naming a task in the state), the same handler of Flower's Runtime
-API on the same state, and Flower's own error translation when the handler fails. A request
-it cannot answer that way (another content type, a body that does not parse, an incompatible
-caller, a missing or unknown token) goes through Flower's full app before any handler has
-run, so Flower gives its own answer or error. Any other request goes through Flower's app
-untouched. It is installed only while the tuning is on (:mod:`dpcfl_flwr.flower_compat`), and
-only when no middleware of an extension or an event-log plugin would have seen these requests.
+``confirm-message-received``) and the ServerApp's reply poll (``pull-messages``, ~13 requests a
+round on the quick example, which went through all of the above: about a quarter of the
+SuperLink's HTTP-side CPU in a profiled gRPC run) itself, with what Flower's route would use:
+the same protobuf request and response bodies, the same Runtime version check, the same
+task-token rule (exactly one token header naming a task in the state), the same handler of
+Flower's Runtime API on the same state, and Flower's own error translation when the handler
+fails. A request it cannot answer that way (another content type, a body that does not parse,
+an incompatible caller, a missing or unknown token) goes through Flower's full app before any
+handler has run, so Flower gives its own answer or error. Any other request goes through
+Flower's app untouched. It is installed only while the tuning is on
+(:mod:`dpcfl_flwr.flower_compat`), and only when no middleware of an extension or an event-log
+plugin would have seen these requests.
 
 It also answers the two batch routes of :mod:`.object_batches` (``dpcfl-pull-objects``,
 ``dpcfl-push-objects``), which Flower's app does not have: a batch of serialised
@@ -38,11 +42,14 @@ from starlette.responses import Response
 from .object_batches import BATCH_ROUTES, MAX_BATCH_ITEMS, ObjectBatch
 
 RUNTIME_PREFIX = "/v1/runtime/"
-# route -> (request type name in flwr.proto.message_pb2, handler name in Flower's handlers)
-OBJECT_ROUTES = {
-    "pull-object": ("PullObjectRequest", "pull_object"),
-    "push-object": ("PushObjectRequest", "push_object"),
-    "confirm-message-received": ("ConfirmMessageReceivedRequest", "confirm_message_received"),
+# route -> (module in flwr.proto, request type name in it, handler name in Flower's handlers),
+# as Flower's Runtime router declares each route
+FAST_ROUTES = {
+    "pull-object": ("message_pb2", "PullObjectRequest", "pull_object"),
+    "push-object": ("message_pb2", "PushObjectRequest", "push_object"),
+    "confirm-message-received": ("message_pb2", "ConfirmMessageReceivedRequest",
+                                 "confirm_message_received"),
+    "pull-messages": ("runtime_pb2", "PullAppMessagesRequest", "pull_messages"),
 }
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -83,6 +90,8 @@ class ObjectRequestsFastPath:
     """Pure ASGI, outside Flower's SuperLink app (``app``): see the module docstring."""
 
     def __init__(self, app: Any) -> None:
+        import importlib
+
         from flwr.proto import message_pb2  # pylint: disable=E0611
         from flwr.supercore.constant import TASK_TOKEN_HEADER
         from flwr.supercore.error import FlowerError
@@ -94,8 +103,10 @@ class ObjectRequestsFastPath:
         self.app = app
         self.state = app.state  # Starlette's State of Flower's app: its factory and handlers
         # path -> (request type, handler name, whether the body is a batch of such requests)
-        self.routes = {RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler, False)
-                       for route, (request, handler) in OBJECT_ROUTES.items()}
+        self.routes = {
+            RUNTIME_PREFIX + route: (
+                getattr(importlib.import_module(f"flwr.proto.{module}"), request), handler, False)
+            for route, (module, request, handler) in FAST_ROUTES.items()}
         self.routes.update({RUNTIME_PREFIX + route: (getattr(message_pb2, request), handler, True)
                             for route, (request, handler) in BATCH_ROUTES.items()})
         # the check Flower's Runtime router depends on, itself
