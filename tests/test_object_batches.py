@@ -9,6 +9,8 @@ API client.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
@@ -155,19 +157,34 @@ def batching_grids(monkeypatch):
     assert not object_batches.install()  # once
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
-        fast_path, task_identity, batching_grids):
+@dataclass
+class GridToLink:
+    """A fresh link, Flower's ServerApp grid sending to it (``fast_path``: behind the fast
+    path, else to Flower's app alone), its test transport and the paths it requested."""
+
+    link: Link
+    grid: http_grid.HttpGrid
+    transport: TestClient
+    paths: list[str]
+    fast_path: bool
+
+
+@pytest.fixture(params=[True, False], ids=["fast-path", "flowers-app"])
+def grid_to_link(request, task_identity, batching_grids) -> GridToLink:
     link = Link(task_identity)
-    grid, transport, paths = _grid(link, fast_path)
-    with transport:
+    return GridToLink(link, *_grid(link, request.param), fast_path=request.param)
+
+
+def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(grid_to_link):
+    link, grid, paths = grid_to_link.link, grid_to_link.grid, grid_to_link.paths
+    with grid_to_link.transport:
         for _ in range(2):
             sent, got = _round_trip(link, grid)
             assert got.metadata.reply_to_message_id == sent.metadata.reply_to_message_id
             np.testing.assert_array_equal(got.content["update"]["w"].numpy(),
                                           sent.content["update"]["w"].numpy())
     routes = [p.rsplit("/", 1)[1] for p in paths]
-    if fast_path:  # one request each way for all of a message's objects
+    if grid_to_link.fast_path:  # one request each way for all of a message's objects
         assert routes == ["push-messages", "dpcfl-push-objects", "pull-messages",
                           "dpcfl-pull-objects", "confirm-message-received"] * 2
     else:  # Flower's SuperLink refuses the first batch; from then on, one per object
@@ -176,12 +193,9 @@ def test_the_grid_moves_objects_in_batches_and_falls_back_to_flowers_requests(
         assert routes.count("pull-object") == 2 * len(get_all_nested_objects(sent))
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(
-        fast_path, task_identity, batching_grids):
-    link = Link(task_identity)
-    grid, transport, paths = _grid(link, fast_path)
-    with transport:
+def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(grid_to_link):
+    link, grid, paths = grid_to_link.link, grid_to_link.grid, grid_to_link.paths
+    with grid_to_link.transport:
         values = [np.linspace(0, 1, 50, dtype="float32") + k for k in range(3)]
         instructions = [link.instruction(v) for v in values]
         ids = grid.push_messages(instructions)
@@ -195,7 +209,7 @@ def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(
             reply.content["update"]["w"].numpy(),
             sent[reply.metadata.reply_to_message_id].content["update"]["w"].numpy())
     routes = [p.rsplit("/", 1)[1] for p in paths]
-    if fast_path:
+    if grid_to_link.fast_path:
         assert routes == ["pull-messages", "dpcfl-pull-objects",
                           *["confirm-message-received"] * 3]
     else:  # Flower's SuperLink took no batch (the push's was refused): one per object
