@@ -10,6 +10,8 @@ import statistics
 import threading
 import time
 import uuid
+from collections import Counter
+from contextlib import contextmanager
 from queue import Empty, Queue
 
 import pytest
@@ -25,16 +27,19 @@ from flwr.supercore.run import Run
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from dpcfl_flwr.flower_compat.engine import FALLBACK_SCAN_SECONDS, wait_for_replies, woken_dispatch
+from dpcfl_flwr.flower_compat.engine import (
+    FALLBACK_SCAN_SECONDS,
+    replies_wake_waits,
+    wait_for_replies,
+    woken_dispatch,
+)
+from dpcfl_flwr.strategies.exchange import exchange
 
 RUN_ID, TASK_ID = 7, 11
 
 
-@pytest.fixture
-def engine(task_identity):
-    """(state, grid, node ids) of a run with three registered nodes; the ServerApp's pushes
-    come from the SuperLink's node id, as in a simulation."""
-    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
+def _engine(nodes: int):
+    """(state, grid, node ids) of a run with ``nodes`` registered nodes."""
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
                                ObjectStoreFactory())
     state = factory.state()
@@ -42,17 +47,24 @@ def engine(task_identity):
     run.primary_task_id, run.federation_id = TASK_ID, NOOP_FEDERATION_ID
     state.run_ids[RUN_ID] = RunRecord(run=run)
     state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
-    nodes = list(vce_api._register_nodes(3, factory))
+    node_ids = list(vce_api._register_nodes(nodes, factory))
     grid = InMemoryGrid(state_factory=factory)
     grid.set_run(run)
-    return state, grid, nodes
+    return state, grid, node_ids
 
 
 @pytest.fixture
-def dispatched(engine):
-    """(grid, nodes, queue) with the woken dispatcher running on the engine's state; stopped
-    afterwards, and checked to stop within its fallback period."""
-    state, grid, nodes = engine
+def engine(task_identity):
+    """(state, grid, node ids) of a run with three registered nodes; the ServerApp's pushes
+    come from the SuperLink's node id, as in a simulation."""
+    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
+    return _engine(3)
+
+
+@contextmanager
+def dispatcher_on(state, nodes):
+    """The woken dispatcher running on ``state`` for ``nodes``: its queue. Checked to stop
+    within its fallback period and to give the state and Flower's loop back."""
     queue: Queue[Message] = Queue()
     stop = threading.Event()
     with woken_dispatch():
@@ -60,13 +72,21 @@ def dispatched(engine):
                                       args=(state, queue, dict.fromkeys(nodes), stop))
         dispatcher.start()
         try:
-            yield grid, nodes, queue
+            yield queue
         finally:
             stop.set()
             dispatcher.join(timeout=2 * FALLBACK_SCAN_SECONDS)
     assert not dispatcher.is_alive()
     assert "store_message_ins" not in vars(state)  # the state's own method is back
     assert vce_api.add_messages_to_queue.__module__ == vce_api.__name__  # and Flower's loop
+
+
+@pytest.fixture
+def dispatched(engine):
+    """(grid, nodes, queue) with the woken dispatcher running on the engine's state."""
+    state, grid, nodes = engine
+    with dispatcher_on(state, nodes) as queue:
+        yield grid, nodes, queue
 
 
 def _push(grid, node):
@@ -104,6 +124,78 @@ def test_messages_stored_during_a_scan_are_not_left_for_the_fallback(dispatched)
     assert elapsed < FALLBACK_SCAN_SECONDS / 2, elapsed
 
 
+def test_a_round_of_many_silos_costs_one_check_per_message(task_identity):
+    # Flower's loop asks every node for a message, and each ask walks every stored message:
+    # a round of n silos cost ~n^2 / 2 checks (7 s of CPU a scan at 1,008 silos).
+    task_identity(TASK_ID, RUN_ID, SUPERLINK_NODE_ID)
+    state, grid, nodes = _engine(300)
+    checks: Counter[int] = Counter()  # Flower's message check, by calling thread
+    flowers_check = state._check_stored_messages
+
+    def counted(*args, **kwargs):
+        checks[threading.get_ident()] += 1
+        return flowers_check(*args, **kwargs)
+
+    state._check_stored_messages = counted
+    with dispatcher_on(state, nodes) as queue:
+        pushed = list(grid.push_messages([Message(RecordDict(), dst_node_id=node,
+                                                  message_type="train") for node in nodes]))
+        got = [queue.get(timeout=2 * FALLBACK_SCAN_SECONDS).metadata.message_id
+               for _ in nodes]
+        time.sleep(1.5 * FALLBACK_SCAN_SECONDS)  # a sweep of the state runs meanwhile
+    assert sorted(got) == sorted(pushed)
+    assert queue.empty()  # each message handed out once, the sweep's included
+    by_dispatcher = sum(checks.values()) - checks[threading.get_ident()]
+    assert by_dispatcher <= len(nodes), by_dispatcher
+
+
+def test_a_nodes_second_message_is_handed_out_without_a_timer(engine):
+    # Two messages for one node wait when the dispatcher starts; its first look hands out one
+    # (one per look, as Flower's loop), and the second must not wait for the fallback scan.
+    state, grid, nodes = engine
+    pushed = [_push(grid, nodes[0]) for _ in range(2)]
+    started = time.monotonic()
+    with dispatcher_on(state, nodes) as queue:
+        got = [queue.get(timeout=2 * FALLBACK_SCAN_SECONDS).metadata.message_id
+               for _ in pushed]
+        elapsed = time.monotonic() - started
+    assert got == pushed
+    assert elapsed < FALLBACK_SCAN_SECONDS / 2, elapsed
+
+
+def test_the_serverapp_polls_a_woken_grid_about_once_a_reply(dispatched):
+    # Replies stored 0.15 s apart for 0.6 s: a poll every 50 ms would be a dozen.
+    grid, nodes, queue = dispatched
+    assert replies_wake_waits(grid)
+    pulls = []
+    flowers_pull = grid.pull_messages
+
+    def counted_pull(message_ids):
+        pulls.append(time.monotonic())
+        return flowers_pull(message_ids)
+
+    grid.pull_messages = counted_pull
+    timers = []
+
+    def reply_to_what_is_dispatched():
+        for k in range(len(nodes)):
+            delivered = queue.get(timeout=2 * FALLBACK_SCAN_SECONDS)
+            timers.append(_reply_later(grid.state, delivered, 0.15 * (k + 1)))
+
+    replier = threading.Thread(target=reply_to_what_is_dispatched)
+    replier.start()
+    messages = {k: Message(RecordDict(), dst_node_id=node, message_type="train")
+                for k, node in enumerate(nodes)}
+    started = time.monotonic()
+    result = exchange(grid, messages, timeout=5.0)
+    replier.join()
+    for timer in timers:
+        timer.join()
+    assert sorted(result.replies) == list(messages) and not result.missing
+    assert time.monotonic() - started < 0.15 * len(nodes) + 0.3
+    assert len(pulls) <= 2 * len(nodes), len(pulls)
+
+
 def _reply_later(state, message: Message, seconds: float) -> threading.Timer:
     """The engine storing ``message``'s reply ``seconds`` from now, as a worker finishing."""
     reply = Message(RecordDict(), reply_to=message)
@@ -133,6 +225,7 @@ def test_the_serverapps_wait_ends_when_the_engine_stores_a_reply(dispatched):
 
 def test_a_grid_outside_a_woken_engine_just_sleeps(engine):
     _, grid, _ = engine  # Flower's grid on a state no woken dispatcher serves
+    assert not replies_wake_waits(grid)
     started = time.monotonic()
     wait_for_replies(grid, 0.3)
     assert time.monotonic() - started >= 0.3

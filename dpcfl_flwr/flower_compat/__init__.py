@@ -59,6 +59,16 @@ def in_process_grid(grid: Any) -> bool:
     return type(grid).__name__ == "InMemoryGrid"
 
 
+def replies_wake_waits(grid: Any) -> bool:
+    """Whether :func:`wait_for_replies` on ``grid`` ends as soon as a reply is stored: a
+    simulation's grid with the tuning on. Then a poller needs no timer to learn of a reply."""
+    if gate.TUNING:
+        from .engine import replies_wake_waits as woken
+
+        return woken(grid)
+    return False
+
+
 def batch_object_requests(grid: Any) -> bool:
     """With the tuning on, let a deployment's grid (the ServerApp's, over the SuperLink's
     Runtime API) move its message objects in batches (:mod:`.object_batches`); whether it
@@ -171,4 +181,5 @@ __all__ = ["FALLBACK_ARRAY_CHUNK_BYTES", "IN_MEMORY_DATABASE", "KEY_NOT_REGISTER
            "NODE_ONLINE", "SUPPORTED_FLOWER", "SWITCH", "array_chunk_size",
            "batch_object_requests",
            "flower_command", "in_process_grid", "installed_flower", "pin_supported", "require_pin",
-           "run_simulation", "run_superlink", "signals_left_to_caller", "wait_for_replies"]
+           "replies_wake_waits", "run_simulation", "run_superlink", "signals_left_to_caller",
+           "wait_for_replies"]
