@@ -196,6 +196,40 @@ def test_the_serverapp_polls_a_woken_grid_about_once_a_reply(dispatched):
     assert len(pulls) <= 2 * len(nodes), len(pulls)
 
 
+def test_slow_polls_of_a_woken_grid_are_spaced_by_their_cost(dispatched):
+    # A poll that takes 30 ms (as Flower's in-memory one at ~3,000 pending messages) leaves
+    # 20x that before the next, however often replies come (here every 50 ms for 0.6 s).
+    grid, nodes, queue = dispatched
+    pulls = []
+    flowers_pull = grid.pull_messages
+
+    def slow_pull(message_ids):
+        pulls.append(time.monotonic())
+        time.sleep(0.03)
+        return flowers_pull(message_ids)
+
+    grid.pull_messages = slow_pull
+    more_nodes = nodes * 4  # twelve messages, three nodes
+    timers = []
+
+    def reply_to_what_is_dispatched():
+        for k in range(len(more_nodes)):
+            delivered = queue.get(timeout=2 * FALLBACK_SCAN_SECONDS)
+            timers.append(_reply_later(grid.state, delivered, 0.05 * (k + 1)))
+
+    replier = threading.Thread(target=reply_to_what_is_dispatched)
+    replier.start()
+    messages = {k: Message(RecordDict(), dst_node_id=node, message_type="train")
+                for k, node in enumerate(more_nodes)}
+    result = exchange(grid, messages, timeout=10.0)
+    replier.join()
+    for timer in timers:
+        timer.join()
+    assert sorted(result.replies) == list(messages) and not result.missing
+    gaps = [b - a for a, b in zip(pulls, pulls[1:], strict=False)]
+    assert gaps and min(gaps) >= 20 * 0.03, gaps
+
+
 def _reply_later(state, message: Message, seconds: float) -> threading.Timer:
     """The engine storing ``message``'s reply ``seconds`` from now, as a worker finishing."""
     reply = Message(RecordDict(), reply_to=message)

@@ -14,10 +14,11 @@ reply comes in: replies that trickle in are still collected within ~50 ms, and a
 stretch costs a poll every half second. In Flower's simulation engine the grid is in the
 same process and the wait ends when the engine stores a reply
 (``flower_compat.wait_for_replies``), so the ServerApp polls once a reply is there and every
-half second otherwise; a poll there walks the engine's stored messages, which 20 polls a
-second for a whole round made a tenth of a second of the ServerApp's CPU a round, beside the
-silos. Without that wake-up (another Flower) it polls every 50 ms. A round's messages
-go in one push (one request and one object session instead of one per silo); the grid gives
+half second otherwise. A poll there walks every pending message of the engine (~10 ms at
+1,000 silos), and one poll per reply kept the ServerApp's thread busy most of a round at
+1,008 silos, so such polls keep at least 50 ms and 20x their own time apart
+(:func:`poll_spacing`). Without that wake-up (another Flower) it polls every 50 ms. A round's
+messages go in one push (one request and one object session instead of one per silo); the grid gives
 each message its id, which maps it back to its silo even when some are refused.
 
 Every wait of the ServerApp goes through this module's polls, so they are where an operator's
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # the wait after a poll that brought a reply
 MAX_POLL_SECONDS = 0.5  # the longest wait between polls
 BACKOFF = 1.5
+POLL_CPU_SHARE = 0.05  # the largest share of the ServerApp's time its woken polls may take
 
 #: Set to stop the ServerApp of this process at its next poll (``dpcfl simulate``'s Ctrl-C).
 stop_requested = threading.Event()
@@ -77,6 +79,14 @@ def longest_poll(grid: Grid) -> float:
     if in_process_grid(grid) and not replies_wake_waits(grid):
         return POLL_SECONDS
     return MAX_POLL_SECONDS
+
+
+def poll_spacing(poll_seconds: float) -> float:
+    """The least time from one poll's start to the next when a stored reply wakes the wait:
+    POLL_SECONDS, or longer if a poll itself took over :data:`POLL_CPU_SHARE` of that. A poll
+    of Flower's in-memory grid walks every pending message (~10 ms at 1,000 silos), so one
+    poll per reply took most of a core there, beside the silos."""
+    return max(POLL_SECONDS, poll_seconds / POLL_CPU_SHARE)
 
 
 def next_poll_delay(previous: float, got_reply: bool, ceiling: float = MAX_POLL_SECONDS
@@ -120,7 +130,9 @@ def exchange(
     while pending:
         arrived = 0
         polled = time.monotonic()
-        for reply in grid.pull_messages(list(pending)):
+        replies = grid.pull_messages(list(pending))
+        poll_seconds = time.monotonic() - polled
+        for reply in replies:
             if reply.metadata.reply_to_message_id not in pending:
                 continue
             key = pending.pop(reply.metadata.reply_to_message_id)
@@ -131,6 +143,9 @@ def exchange(
         if not pending or time.monotonic() >= deadline:
             break
         check_stop()
+        if woken:  # the next reply ends the wait below: first leave the polls their spacing
+            pause(max(0.0, min(polled + poll_spacing(poll_seconds) - time.monotonic(),
+                               deadline - time.monotonic())))
         delay = ceiling if woken else next_poll_delay(delay, arrived > 0, ceiling)
         # Counted from the poll's start: a SuperLink that held an empty poll until a reply
         # was ready (deploy/superlink_launcher.py) has already waited.
