@@ -15,11 +15,11 @@ stretch costs a poll every half second. In Flower's simulation engine the grid i
 same process and the wait ends when the engine stores a reply
 (``flower_compat.wait_for_replies``), so the ServerApp polls once a reply is there and every
 half second otherwise. A poll there walks every pending message of the engine (~10 ms at
-1,000 silos), and one poll per reply kept the ServerApp's thread busy most of a round at
-1,008 silos, so such polls keep at least 50 ms and 20x their own time apart
+1,000 silos), so one poll per reply would be seconds of the ServerApp's CPU in a 1,008-silo
+round, beside the silos; such polls keep at least 50 ms and 20x their own time apart
 (:func:`poll_spacing`). Without that wake-up (another Flower) it polls every 50 ms. A round's
-messages go in one push (one request and one object session instead of one per silo); the grid gives
-each message its id, which maps it back to its silo even when some are refused.
+messages go in one push (one request and one object session instead of one per silo); the
+grid gives each message its id, which maps it back to its silo even when some are refused.
 
 Every wait of the ServerApp goes through this module's polls, so they are where an operator's
 Ctrl-C takes effect: ``dpcfl simulate`` sets :data:`stop_requested` and the next poll raises
@@ -85,7 +85,7 @@ def poll_spacing(poll_seconds: float) -> float:
     """The least time from one poll's start to the next when a stored reply wakes the wait:
     POLL_SECONDS, or longer if a poll itself took over :data:`POLL_CPU_SHARE` of that. A poll
     of Flower's in-memory grid walks every pending message (~10 ms at 1,000 silos), so one
-    poll per reply took most of a core there, beside the silos."""
+    poll per reply would take seconds of a round's CPU there, beside the silos."""
     return max(POLL_SECONDS, poll_seconds / POLL_CPU_SHARE)
 
 
