@@ -48,15 +48,15 @@ _reply_stored: dict[int, threading.Event] = {}
 
 
 def _set_after(state: Any, method_name: str, event: threading.Event,
-               on_result: Callable[[Any, Any], None] | None = None) -> None:
+               on_result: Callable[[Any], None] | None = None) -> None:
     """Make ``state.<method_name>`` set ``event`` after each call (this object only), first
-    handing ``on_result`` the call's first argument and its result."""
+    handing ``on_result`` the call's result."""
     method: Callable[..., Any] = getattr(state, method_name)
 
     def call_and_set(*args: Any, **kwargs: Any) -> Any:
         result = method(*args, **kwargs)
         if on_result is not None:
-            on_result(args[0] if args else next(iter(kwargs.values())), result)
+            on_result(result)
         event.set()
         return result
 
@@ -70,8 +70,9 @@ class _StoredIds:
         self._ids: list[str] = []
         self._lock = threading.Lock()
 
-    def note_stored(self, _message: Any, message_id: Any) -> None:
-        if message_id is not None:  # stored, not refused
+    def note_stored(self, message_id: Any) -> None:
+        """``store_message_ins``' result: the message's id, or None if it was refused."""
+        if message_id is not None:
             with self._lock:
                 self._ids.append(str(message_id))
 
@@ -147,7 +148,7 @@ def wait_for_replies(grid: Any, seconds: float) -> None:
 
     Only a grid on the state of a running woken dispatcher is woken early (Flower's in-memory
     grid in simulation); any other grid, a deployment's included, just sleeps."""
-    replied = _reply_stored.get(id(getattr(grid, "state", None)))
+    replied = _reply_event(grid)
     if replied is None:
         time.sleep(seconds)
         return
@@ -158,7 +159,12 @@ def wait_for_replies(grid: Any, seconds: float) -> None:
 def replies_wake_waits(grid: Any) -> bool:
     """Whether :func:`wait_for_replies` on ``grid`` ends when the engine stores a reply
     (the grid is on the state of a running woken dispatcher)."""
-    return id(getattr(grid, "state", None)) in _reply_stored
+    return _reply_event(grid) is not None
+
+
+def _reply_event(grid: Any) -> threading.Event | None:
+    """The event a stored reply sets on ``grid``'s state, if a woken dispatcher serves it."""
+    return _reply_stored.get(id(getattr(grid, "state", None)))
 
 
 def is_in_memory_grid(grid: Any) -> bool:
