@@ -239,7 +239,12 @@ def server_costs(silos: Sequence[int]) -> str:
             + "\n" + "\n".join(rows) + "\n\n" + rpca_rows_tradeoff(max(silos)))
 
 
-def silo_rounds(silos: Sequence[int], samples: int, tmp: Path) -> str:
+def silo_rounds(silos: Sequence[int], samples: int, tmp: Path,
+                settings: Sequence[str] = ()) -> str:
+    """The rounds of R-DPCFL simulations at each number of ``silos`` (N_i = ``samples``, run
+    config ``settings`` "key=value" on top): each round's training exchange, the server's
+    own work after it (round 1: the clustering; round 2: the aggregation) and its share of
+    the round, memory and wall."""
     rows = []
     for n in silos:
         if n % 21:
@@ -248,16 +253,27 @@ def silo_rounds(silos: Sequence[int], samples: int, tmp: Path) -> str:
         clusters = ",".join(str(size * k) for size in (3, 6, 6, 6))
         results, wall, peak, server = simulate(
             tmp / f"silos{n}", clusters=f'"{clusters}"', **{
-                "samples-per-client": samples, "num-server-rounds": 3, "eval-every": 3})
+                "samples-per-client": samples, "num-server-rounds": 3, "eval-every": 3,
+                **dict(setting.split("=", 1) for setting in settings)})
         rounds = {r["round"]: r for r in results["rounds"]}
-        rows.append(f"| {n:,} | {rounds[1]['seconds']:.1f} | {rounds[2]['seconds']:.1f} | "
-                    f"{rounds[2]['seconds'] / n:.3f} | {peak:,.0f} | {server:,.0f} | "
-                    f"{wall:.0f} |")
+        rows.append(f"| {n:,} | {rounds[1]['seconds']:.1f} | {_server_share(rounds[1])} | "
+                    f"{rounds[2]['seconds']:.1f} | {rounds[2]['seconds'] / n:.3f} | "
+                    f"{_server_share(rounds[2])} | {peak:,.0f} | {server:,.0f} | {wall:.0f} |")
         print(rows[-1], flush=True)
-    return (f"Simulation, R-DPCFL, N_i = {samples}, 3 rounds:\n\n"
-            "| silos | round 1 (full batch) s | round 2 s | round 2 s per silo | peak memory "
-            "of the run (MiB) | peak RSS of the server process (MiB) | run wall (s) |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    return (f"Simulation, R-DPCFL, N_i = {samples}, 3 rounds"
+            + "".join(f", `{setting}`" for setting in settings) + ":\n\n"
+            "| silos | round 1 (full batch) s | server's clustering s (share of round 1) | "
+            "round 2 s | round 2 s per silo | server's aggregation s (share of round 2) | "
+            "peak memory of the run (MiB) | peak RSS of the server process (MiB) | run wall "
+            "(s) |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+
+
+def _server_share(record: dict) -> str:
+    """The server's work after a round's training exchange (results.json ``server_seconds``:
+    checking the replies, then the method's clustering or aggregation), in seconds and as a
+    share of the exchange and that work together."""
+    server = record["server_seconds"]
+    return f"{server:.2f} ({server / (record['seconds'] + server):.1%})"
 
 
 def paper_scale(tmp: Path) -> str:
@@ -288,6 +304,9 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=", ".join(PARTS))
     parser.add_argument("--silos", default="21,42,84", help="silos part: multiples of 21")
     parser.add_argument("--samples", type=int, default=500, help="silos part: N_i")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="silos part: a run config value on top of the quick example's "
+                        "(repeatable), e.g. rdpcfl.clustering='\"noise-aware\"'")
     parser.add_argument("--server-silos", default=",".join(map(str, SERVER_SILOS)))
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
@@ -295,11 +314,16 @@ def main() -> None:
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if args.set and [part for part in parts if part != "server"] != ["silos"]:
+        parser.error("--set applies to the silos part alone: run it with --parts silos")
+    bad = [setting for setting in args.set if "=" not in setting]
+    if bad:
+        parser.error(f"--set takes KEY=VALUE, got {bad}")
     body = []
     silos = [int(n) for n in args.silos.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if "silos" in parts:
-            body.append(silo_rounds(silos, args.samples, Path(tmp)))
+            body.append(silo_rounds(silos, args.samples, Path(tmp), args.set))
         if "paper" in parts:
             body.append(paper_scale(Path(tmp)))
     if "full-batch" in parts:
@@ -309,16 +333,21 @@ def main() -> None:
                 server_costs([int(n) for n in args.server_silos.split(",")]),
                 append=not args.no_append)
     if body:
-        publish(_title(parts, silos, args.samples), "\n\n".join(body),
+        publish(_title(parts, silos, args.samples, args.set), "\n\n".join(body),
                 append=not args.no_append)
 
 
-def _title(parts: list[str], silos: list[int], samples: int) -> str:
+def _title(parts: list[str], silos: list[int], samples: int, settings: Sequence[str] = ()
+           ) -> str:
     """The section a run's rounds and memory go to: the silos part run alone has a section of
-    its own for its range of silos and N_i (21 to 1,008 silos of 50 records stands beside the
-    default 21 to 84 of 500, with the paper scale and the full-batch step)."""
+    its own for its range of silos, N_i and run config values (21 to 1,008 silos of 50
+    records stands beside the default 21 to 84 of 500, with the paper scale and the
+    full-batch step)."""
     if [part for part in parts if part != "server"] == ["silos"]:
-        return f"Scaling: {silos[0]:,} to {silos[-1]:,} silos (N_i = {samples})"
+        span = f"{silos[0]:,} silos" if len(silos) == 1 else (
+            f"{silos[0]:,} to {silos[-1]:,} silos")
+        return (f"Scaling: {span} (N_i = {samples}"
+                + "".join(f", {setting.replace(chr(34), '')}" for setting in settings) + ")")
     return "Scaling: silos, data size, memory"
 
 

@@ -5,6 +5,7 @@ and the contract every rule keeps."""
 from __future__ import annotations
 
 import math
+import os
 from functools import cache
 
 import numpy as np
@@ -152,13 +153,18 @@ def test_rpca_rows_are_cut_only_for_clusters_past_the_work_limit() -> None:
 
 def test_robust_hdp_on_a_large_cluster_uses_the_first_auto_rows() -> None:
     """Past the work limit the estimate is the exact path's on the first rpca_auto_rows
-    coordinates, nothing else."""
+    coordinates stopped at rpca_auto_tol, nothing else; and the looser stop moves no weight
+    by more than 0.1% against the default tolerance's."""
     updates, variances = synthetic_updates(seed=5, n=30, p=4_000)
     facts = facts_for(variances, np.ones(30))
     cut = RuleSettings(rpca_work_limit=1e6, rpca_auto_rows=1_500)
-    same = RuleSettings(rpca_work_limit=None, rpca_rows=1_500)
+    same = RuleSettings(rpca_work_limit=None, rpca_rows=1_500, rpca_tol=cut.rpca_auto_tol)
     a, b = combine("robust-hdp", updates, facts, cut), combine("robust-hdp", updates, facts, same)
     np.testing.assert_array_equal(a.weights, b.weights)
+    tight = combine("robust-hdp", updates, facts, RuleSettings(rpca_work_limit=None,
+                                                               rpca_rows=1_500))
+    assert not np.array_equal(tight.weights, a.weights)
+    np.testing.assert_allclose(a.weights, tight.weights, rtol=1e-3)
     whole = combine("robust-hdp", updates, facts, RuleSettings(rpca_work_limit=None))
     assert not np.array_equal(whole.weights, a.weights)
 
@@ -372,3 +378,46 @@ def test_cluster_means_moves_only_trained_clusters_by_the_weighted_updates() -> 
         assert entry.noise_level == pytest.approx(aggregated_noise_level(weights, variances))
         assert entry.oracle_noise_level == pytest.approx(oracle_noise_level(variances))
         assert entry.to_dict()["weights"] == {str(p): w for p, w in entry.weights.items()}
+
+
+def test_cluster_means_runs_clusters_side_by_side_each_as_alone(monkeypatch) -> None:
+    """Clusters aggregate on threads side by side, each on one BLAS thread; every cluster's
+    model and report are exactly what its rule gives it alone, in cluster order."""
+    import threading
+
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from dpcfl_flwr.aggregation import clusters as module
+
+    updates, variances = synthetic_updates(seed=7, n=24, p=3_000)
+    facts = facts_for(variances, np.ones(24))
+    assignment = np.repeat([2, 0, 1], [10, 8, 6])
+    contributions = {f.partition: (int(c), u.astype(np.float32))
+                     for f, c, u in zip(facts, assignment, updates, strict=True)}
+    models = [np.full(3_000, float(m), dtype=np.float32) for m in range(4)]
+    seen: list[tuple[int, int]] = []
+    original = module.combine
+
+    def recording(*args, **kwargs):
+        seen.append((threading.get_ident(), max(
+            lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "combine", recording)
+    with threadpool_limits(2, "blas"):
+        new, report = cluster_means(models, contributions, {f.partition: f for f in facts},
+                                    "robust-hdp")
+    assert {blas for _, blas in seen} == {1}
+    if (os.cpu_count() or 1) > 1:
+        assert len({thread for thread, _ in seen}) > 1
+    assert list(report) == [0, 1, 2]
+    np.testing.assert_array_equal(new[3], models[3])
+    for cluster in range(3):
+        members = [f for f, c in zip(facts, assignment, strict=True) if c == cluster]
+        with threadpool_limits(1, "blas"):
+            alone = original("robust-hdp", np.stack([contributions[f.partition][1].astype(
+                np.float64) for f in members]), members)
+            step = alone.weights @ alone.updates
+        np.testing.assert_array_equal(list(report[cluster].weights.values()), alone.weights)
+        np.testing.assert_array_equal(
+            new[cluster], (models[cluster].astype(np.float64) + step).astype(np.float32))

