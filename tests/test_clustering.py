@@ -12,8 +12,9 @@ from sklearn.metrics import adjusted_rand_score
 from sklearn.preprocessing import StandardScaler
 
 from dpcfl_flwr.clustering import (
+    StackedRows,
     UpdateClusterer,
-    gmm,
+    blocks,
     overlap,
     project_updates,
     scale_points,
@@ -35,17 +36,32 @@ def _mixture(sizes, p, spread, noise, seed=0):
 
 
 @pytest.mark.parametrize("block", [1 << 18, 1_000, 7])
-def test_projection_equals_standardised_pca_applied_to_raw_updates(monkeypatch, block):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_projection_equals_standardised_pca_applied_to_raw_updates(monkeypatch, block, stacked):
     # columns come in blocks (one, three, and 429 with a ragged last one): each block's
-    # standardisation and its share of the projection must add up to the whole
-    monkeypatch.setattr(gmm, "_COLUMN_BLOCK", block)
+    # standardisation and its share of the projection must add up to the whole, whether the
+    # updates are one array or the silos' own vectors read a block at a time
+    monkeypatch.setattr(blocks, "BLOCK_BYTES", block * 8 * 15)
     x, _ = _mixture([4, 5, 6], 3_000, 1.0, 0.5)
     x[:, 11] = 0.25  # a constant parameter, which StandardScaler leaves unscaled
     x[:, 2_500] = -7.0
     reference = PCA(n_components=x.shape[0]).fit(StandardScaler().fit_transform(x)).transform(x)
+    updates = StackedRows(list(x)) if stacked else x
     for axes in (2, 5):
-        np.testing.assert_allclose(np.abs(project_updates(x, axes)), np.abs(reference[:, :axes]),
-                                   rtol=1e-7, atol=1e-8)
+        np.testing.assert_allclose(np.abs(project_updates(updates, axes)),
+                                   np.abs(reference[:, :axes]), rtol=1e-7, atol=1e-8)
+
+
+def test_stacked_rows_read_like_the_stacked_array():
+    rows = [np.arange(10, dtype=np.float32) * i for i in range(3)]
+    stacked = StackedRows(rows)
+    assert stacked.shape == (3, 10)
+    for index in [(slice(None), slice(2, 7)), (slice(1, None), slice(8, 20))]:
+        block = stacked[index]
+        assert block.dtype == np.float64
+        np.testing.assert_array_equal(block, np.stack(rows)[index])
+    with pytest.raises(ValueError, match="different lengths"):
+        StackedRows([np.zeros(3), np.zeros(4)])
 
 
 def test_separation_score_and_overlap_by_hand():

@@ -4,6 +4,7 @@ docs/algorithm.md#stage-1-clustering-the-round-1-updates (equations A4-A8);
 docs/algorithm.md#noise-aware-clustering for silos whose noise differs (A12-A16).
 """
 
+from .blocks import StackedRows
 from .gmm import (
     GMMFit,
     UpdateClusterer,
@@ -24,8 +25,8 @@ from .noise_aware import (
 )
 
 __all__ = [
-    "GMMFit", "NoiseAwareClusterer", "UpdateClusterer", "combine_noise", "debiased_projection",
-    "fit_noise_aware_gmm", "fit_spherical_gmm", "overlap", "project_updates",
+    "GMMFit", "NoiseAwareClusterer", "StackedRows", "UpdateClusterer", "combine_noise",
+    "debiased_projection", "fit_noise_aware_gmm", "fit_spherical_gmm", "overlap", "project_updates",
     "residual_noise_variances", "scale_points", "separation_scores", "switch_round",
     "update_gram",
 ]

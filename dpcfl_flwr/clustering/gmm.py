@@ -19,14 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blas_threads import one_blas_thread, outer_blas_threads
+from .blocks import UpdateMatrix, column_blocks
 from .eigen import top_eigenpairs
 
-# Columns are standardised and multiplied in blocks so that p = 11M parameters never needs
-# more than n x block floats beyond the update matrix itself.
-_COLUMN_BLOCK = 1 << 18
 
-
-def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
+def project_updates(updates: UpdateMatrix, n_components: int = 2) -> np.ndarray:
     """The authors' projection: principal axes of the per-parameter standardised updates,
     applied to the raw updates (docs/algorithm.md#projection, A4). Returns an
     (n, n_components) array.
@@ -47,8 +44,7 @@ def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
     # cost as much as the Gram matrix itself (bench/scaling.py, server part).
     gram = np.zeros((n, n))
     scalings = []
-    for start in range(0, p, _COLUMN_BLOCK):
-        block = np.asarray(x[:, start:start + _COLUMN_BLOCK], dtype=np.float64)
+    for block in column_blocks(x):
         mean = block.mean(axis=0)
         scaled = block - mean
         std = np.sqrt(np.einsum("ij,ij->j", scaled, scaled) / n)
@@ -56,15 +52,14 @@ def project_updates(updates: np.ndarray, n_components: int = 2) -> np.ndarray:
         scaled /= std
         with outer_blas_threads():  # n^2 p multiply-adds: the one step more threads speed up
             gram += scaled @ scaled.T
-        scalings.append((start, std))
+        scalings.append(std)
     eigenvalues, eigenvectors = top_eigenpairs(gram, n_components)
     singular = np.sqrt(np.clip(eigenvalues, 0.0, None))
     if np.any(singular <= 1e-12 * max(singular.max(initial=0.0), 1.0)):
         raise ValueError("the updates span fewer than 2 directions; nothing to cluster")
     axes = eigenvectors / singular
     projection = np.zeros((n, len(singular)))
-    for start, std in scalings:
-        block = np.asarray(x[:, start:start + _COLUMN_BLOCK], dtype=np.float64)
+    for std, block in zip(scalings, column_blocks(x), strict=True):
         # S^T V for this block's columns without forming S again: S = (X - 1 mean^T) / std,
         # and the centring drops out because V is orthogonal to 1 (S^T 1 = 0, so G 1 = 0)
         projection += block @ ((block.T @ axes) / std[:, None])
@@ -191,12 +186,12 @@ class UpdateClusterer:
         wanted = self.n_components if self.n_components else max(2, n_clusters - 1)
         return max(2, min(wanted, n_points - 1))
 
-    def fit(self, updates: np.ndarray) -> UpdateClusterer:
+    def fit(self, updates: UpdateMatrix) -> UpdateClusterer:
         """Fit on an (n clients, p parameters) matrix of round-1 updates."""
         with one_blas_thread():  # its small products run faster on one (..blas_threads)
             return self._fit(updates)
 
-    def _fit(self, updates: np.ndarray) -> UpdateClusterer:
+    def _fit(self, updates: UpdateMatrix) -> UpdateClusterer:
         n_points = updates.shape[0]
         candidates = self._candidates(n_points)
         dims = {m: self._dimension(m, n_points) for m in candidates}

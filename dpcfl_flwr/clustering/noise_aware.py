@@ -29,25 +29,23 @@ import scipy.linalg
 from scipy.spatial.distance import cdist
 
 from ..blas_threads import one_blas_thread, outer_blas_threads
+from .blocks import UpdateMatrix, column_blocks
 from .eigen import top_eigenpairs
 from .gmm import GMMFit, UpdateClusterer, overlap, scale_points, separation_scores
 
 NoiseSource = Literal["plan", "estimate", "larger"]
 
-# Same block size as the authors' projection: n x block floats beyond the updates themselves.
-_COLUMN_BLOCK = 1 << 18
 # sklearn's default regularisation of a spherical variance, kept so the two fits agree.
 REG_COVAR = 1e-6
 
 
-def update_gram(updates: np.ndarray) -> tuple[np.ndarray, int]:
+def update_gram(updates: UpdateMatrix) -> tuple[np.ndarray, int]:
     """The (n, n) Gram matrix X X^T of the (n, p) updates and p', the number of trained
     coordinates (those some update moves: a frozen parameter gets no DP noise)."""
-    n, p = updates.shape
+    n = updates.shape[0]
     gram = np.zeros((n, n))
     trained = 0
-    for start in range(0, p, _COLUMN_BLOCK):
-        block = np.asarray(updates[:, start:start + _COLUMN_BLOCK], dtype=np.float64)
+    for block in column_blocks(updates):
         with outer_blas_threads():  # n^2 p multiply-adds: the one step more threads speed up
             gram += block @ block.T
         trained += int(np.count_nonzero(np.any(block != 0, axis=0)))
@@ -581,13 +579,13 @@ class NoiseAwareClusterer(UpdateClusterer):
         self.noise_source = noise_source
         self.tolerance = tolerance
 
-    def fit(self, updates: np.ndarray,  # type: ignore[override]
+    def fit(self, updates: UpdateMatrix,  # type: ignore[override]
             reported: Sequence[float | None] | None = None) -> NoiseAwareClusterer:
         """Fit on an (n clients, p parameters) matrix of round-1 updates."""
         with one_blas_thread():  # its small products run faster on one (..blas_threads)
             return self._fit_with_noise(updates, reported)
 
-    def _fit_with_noise(self, updates: np.ndarray,
+    def _fit_with_noise(self, updates: UpdateMatrix,
                         reported: Sequence[float | None] | None) -> NoiseAwareClusterer:
         n_points = updates.shape[0]
         candidates = self._candidates(n_points)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from ..clustering import NoiseAwareClusterer, UpdateClusterer, switch_round
+from ..clustering import NoiseAwareClusterer, StackedRows, UpdateClusterer, switch_round
 from ..config.registry import register
 from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
@@ -200,7 +200,7 @@ class RDPCFL(Method):
             raise RuntimeError(f"only {len(partitions)} silos trained round 1: cannot cluster")
         e, p = self.experiment, self.params
         candidates = range(2, min(p.max_clusters, len(partitions) - 1) + 1)
-        matrix = np.stack([updates[p] for p in partitions])
+        matrix = StackedRows([updates[p] for p in partitions])  # read a column block at a time
         fitted: UpdateClusterer
         if p.clustering == "noise-aware":
             fitted = NoiseAwareClusterer(
