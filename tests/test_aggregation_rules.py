@@ -169,6 +169,39 @@ def test_robust_hdp_on_a_large_cluster_uses_the_first_auto_rows() -> None:
     assert not np.array_equal(whole.weights, a.weights)
 
 
+def test_a_large_cluster_past_the_work_limit_is_decomposed_in_seeded_groups() -> None:
+    """Past the work limit a cluster of more than rpca_auto_group silos is split into
+    near-equal seeded groups, each silo's estimate is its own group's RPCA, and the weighted
+    average's noise stays within 1% (of the oracle's) of the undivided split's: 200 silos
+    whose noise variances span 100x, two groups of 100."""
+    from dpcfl_flwr.aggregation.robust_hdp import estimate_noise_variances, rpca_groups
+    settings = RuleSettings(rpca_work_limit=1e6, rpca_auto_rows=1_500)
+    assert [len(g) for g in rpca_groups(250, 4_000, RuleSettings())] == [250]  # under it
+    assert sorted(len(g) for g in rpca_groups(250, 4_000, settings)) == [83, 83, 84]
+    groups = rpca_groups(200, 4_000, settings)
+    assert [len(g) for g in groups] == [100, 100]
+    assert sorted(np.concatenate(groups).tolist()) == list(range(200))
+    assert [g.tolist() for g in groups] == [g.tolist() for g in rpca_groups(200, 4_000, settings)]
+    assert groups[0].tolist() != list(range(100))  # drawn, not the partition order
+    other_seed = rpca_groups(200, 4_000, RuleSettings(rpca_work_limit=1e6, seed=1))
+    assert [g.tolist() for g in other_seed] != [g.tolist() for g in groups]
+
+    updates, variances = synthetic_updates(seed=9, n=200, p=4_000)
+    facts = facts_for(variances, np.ones(200))
+    grouped = estimate_noise_variances(updates, settings)
+    one_group = RuleSettings(rpca_work_limit=None, rpca_rows=1_500,
+                             rpca_tol=settings.rpca_auto_tol)
+    for group in groups:
+        np.testing.assert_array_equal(grouped[group],
+                                      estimate_noise_variances(updates[group], one_group))
+    undivided = combine("robust-hdp", updates, facts, RuleSettings(
+        rpca_work_limit=1e6, rpca_auto_rows=1_500, rpca_auto_group=200))
+    together = combine("robust-hdp", updates, facts, settings)
+    oracle = oracle_noise_level(variances)
+    excess = aggregated_noise_level(together.weights, variances) / oracle
+    assert excess <= aggregated_noise_level(undivided.weights, variances) / oracle + 0.01
+
+
 def test_a_slow_rpca_says_once_how_to_make_it_cheaper(noisy_round, monkeypatch, caplog) -> None:
     """At hundreds of silos per cluster an RPCA takes a minute; the operator hears once what
     cuts it (rpca-rows), not every round."""

@@ -36,21 +36,25 @@ class RuleSettings:
     cluster robust-hdp falls back to "samples" weights, since a low-rank + sparse split of a
     handful of columns says little. ``rpca_tol`` is relative: stop when ||M - L - S||_F <=
     tol ||M||_F. ``rpca_max_iter``: the solver took 50-70 iterations on 28,938 x 20 update
-    matrices; 500 bounds a bad case at a few seconds. ``seed`` seeds PFA's Gaussian mixture.
+    matrices; 500 bounds a bad case at a few seconds. ``seed`` seeds PFA's Gaussian mixture and
+    robust-hdp's groups.
 
     ``rpca_work_limit`` bounds p' n^2, the multiply-adds of one RPCA iteration's Gram matrix
     for a cluster of n silos: above it, p' drops to ``rpca_auto_rows`` (the first rows
-    still, docs/aggregation.md#cost-at-many-silos) and the tolerance rises to
-    ``rpca_auto_tol``. 4e8 leaves the paper's sizes exact (20 silos with p' = 200,000 is
-    8e7; the CNN stays whole up to 117 silos in a cluster) and takes the 143-286-silo
-    clusters of 1,000 silos from 50-58 CPU seconds a round to 2-3, the weighted average's
-    noise within 0.5% of the whole update's (bench/RESULTS.md, "Scaling: the server's work
-    per round"). None: p' and the tolerance are ``rpca_rows`` and ``rpca_tol`` whatever n."""
+    still, docs/aggregation.md#cost-at-many-silos), the tolerance rises to
+    ``rpca_auto_tol``, and a cluster of more than ``rpca_auto_group`` silos is decomposed
+    in groups of at most that many (drawn with ``seed``). 4e8 leaves the paper's sizes
+    exact (20 silos with p' = 200,000 is 8e7; the CNN stays whole up to 117 silos in a
+    cluster) and takes the 143-286-silo clusters of 1,000 silos from 40-58 CPU seconds a
+    round to 1-2, the weighted average's noise within 0.5% of the whole update's
+    (bench/RESULTS.md, "Scaling: the server's work per round"). None: p', the tolerance
+    and the groups are ``rpca_rows``, ``rpca_tol`` and the whole cluster whatever n."""
 
     rpca_rows: int = 200_000
     rpca_work_limit: float | None = 4e8
     rpca_auto_rows: int = 1_000
     rpca_auto_tol: float = 1e-5
+    rpca_auto_group: int = 100
     rpca_min_silos: int = 5
     rpca_max_iter: int = 500
     rpca_tol: float = 1e-7
