@@ -1,13 +1,17 @@
 """Scaling: round time and memory against the number of silos and their data size.
 
 1. Simulation rounds of R-DPCFL with 21, 42 and 84 silos (topologies {3,6,6,6} x 1, 2, 4;
-   N_i = 500): wall time of a training round and peak memory of the whole run (machine memory
-   in use, sampled every 0.2 s, minus what was in use before).
+   N_i = 500; ``--silos``, ``--samples`` and ``--set key=value`` change them): wall time of a
+   training round, the server's own work after it (the run's ``server_seconds``) and its
+   share, and peak memory of the whole run (machine memory in use, sampled every 0.2 s, minus
+   what was in use before).
 2. The paper's N_i = 8000 (21 silos): the full-batch round 1 and one Poisson round.
 3. Peak memory added by one full-batch DP round for N_i = 1,000, 8,000 and 32,000 (one
    process, gradient accumulation: it must stay flat).
+4. The server's CPU per round-1 clustering and per aggregation rule on synthetic updates of
+   21 to 1,000 silos, and Robust-HDP's cost against p' at 1,000.
 
-  python bench/scaling.py [--no-append]
+  python bench/scaling.py [--parts silos,paper,full-batch,server] [--no-append]
 """
 
 from __future__ import annotations
