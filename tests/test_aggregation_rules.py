@@ -416,6 +416,7 @@ def test_cluster_means_moves_only_trained_clusters_by_the_weighted_updates() -> 
 def test_cluster_means_runs_clusters_side_by_side_each_as_alone(monkeypatch) -> None:
     """Clusters aggregate on threads side by side, each on one BLAS thread; every cluster's
     model and report are exactly what its rule gives it alone, in cluster order."""
+    import itertools
     import threading
 
     from threadpoolctl import threadpool_info, threadpool_limits
@@ -430,10 +431,17 @@ def test_cluster_means_runs_clusters_side_by_side_each_as_alone(monkeypatch) -> 
     models = [np.full(3_000, float(m), dtype=np.float32) for m in range(4)]
     seen: list[tuple[int, int]] = []
     original = module.combine
+    side_by_side = (os.cpu_count() or 1) > 1
+    # the first two clusters must be under way at once: one after the other, the first would
+    # wait here for a second that never comes (however busy the machine, within a minute)
+    together = threading.Barrier(2, timeout=60)
+    calls = itertools.count()
 
     def recording(*args, **kwargs):
         seen.append((threading.get_ident(), max(
             lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")))
+        if side_by_side and next(calls) < 2:
+            together.wait()
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, "combine", recording)
@@ -441,7 +449,7 @@ def test_cluster_means_runs_clusters_side_by_side_each_as_alone(monkeypatch) -> 
         new, report = cluster_means(models, contributions, {f.partition: f for f in facts},
                                     "robust-hdp")
     assert {blas for _, blas in seen} == {1}
-    if (os.cpu_count() or 1) > 1:
+    if side_by_side:
         assert len({thread for thread, _ in seen}) > 1
     assert list(report) == [0, 1, 2]
     np.testing.assert_array_equal(new[3], models[3])
