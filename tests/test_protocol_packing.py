@@ -141,3 +141,24 @@ def test_a_reply_survives_flowers_own_serialisation(server_task_identity, size, 
     update = model_records(received.content)["update"]
     np.testing.assert_array_equal(ModelLayout(["w"], [(size,)]).flatten(update), vector)
     assert metrics_of(received)["val-accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("size", [28938, FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE // 4 + 10])
+def test_a_checked_update_is_read_only_and_a_packed_one_is_not_copied(server_task_identity,
+                                                                        size):
+    """The server reads a packed update in place (a copy per silo cost ~0.45 s of round 1 at
+    1,008 silos on this VM); whichever way it came, nothing may write into it."""
+    from dpcfl_flwr.strategies.replies import train_reply
+
+    vector = np.random.default_rng(size).normal(size=size).astype(np.float32)
+    packed = pack(vector)
+    message = Message(one_record("metrics", {"cluster": 0, "epsilon-spent": 1.0,
+                                             "noise-multiplier": 1.0}, {"update": packed}),
+                      dst_node_id=5, message_type="train")
+    update = train_reply(message, ModelLayout(["w"], [(size,)]), 2, 1.0).update
+    np.testing.assert_array_equal(update, vector)
+    assert not update.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        update[0] = 0.0
+    if isinstance(packed, bytes):
+        assert np.shares_memory(update, np.frombuffer(packed, dtype=np.uint8))

@@ -91,7 +91,8 @@ class SiloInfo:
 @dataclass
 class TrainReply:
     """A silo's checked train reply: the cluster it trained (or INITIAL / OWN), its update
-    (a flat float32 vector; None when the silo keeps its model) and its other numbers."""
+    (a flat float32 vector, read-only: it may be a view of the message's bytes; None when the
+    silo keeps its model) and its other numbers."""
 
     cluster: int
     update: np.ndarray | None

@@ -50,11 +50,13 @@ def train_reply(message: Message, layout: ModelLayout, n_clusters: int,
     metrics, numbers = reply_numbers(message, ("cluster", "epsilon-spent", "noise-multiplier"))
     cluster = int(numbers[0])
     models = model_records(message.content)
-    update = layout.flatten(models[UPDATE]) if UPDATE in models else None
+    update = layout.flatten(models[UPDATE], writable=False) if UPDATE in models else None
     if cluster not in (INITIAL, OWN) and not 0 <= cluster < n_clusters:
         raise ValueError(f"it trained cluster {cluster}, this run has {n_clusters}")
-    if update is not None and not np.isfinite(update).all():
-        raise ValueError("its update has non-finite values")
+    if update is not None:
+        update.flags.writeable = False  # every path alike: TrainReply.update is read-only
+        if not np.isfinite(update).all():
+            raise ValueError("its update has non-finite values")
     fields = {k: v for k, v in metrics.items() if not isinstance(v, bytes)}  # not the update
     batch, steps = known_number(metrics, "batch-size"), known_number(metrics, "steps")
     variance = None
