@@ -351,7 +351,7 @@ def _title(parts: list[str], silos: list[int], samples: int, settings: Sequence[
         span = f"{silos[0]:,} silos" if len(silos) == 1 else (
             f"{silos[0]:,} to {silos[-1]:,} silos")
         return (f"Scaling: {span} (N_i = {samples}"
-                + "".join(f", {setting.replace(chr(34), '')}" for setting in settings) + ")")
+                + "".join(", " + setting.replace('"', "") for setting in settings) + ")")
     return "Scaling: silos, data size, memory"
 
 
