@@ -60,6 +60,11 @@ def test_stacked_rows_read_like_the_stacked_array():
         block = stacked[index]
         assert block.dtype == np.float64
         np.testing.assert_array_equal(block, np.stack(rows)[index])
+    for dtype in (np.float32, np.float64):  # blocks in the asked type, from rows or an array
+        for source in (stacked, np.stack(rows)):
+            read = list(blocks.column_blocks(source, dtype))
+            assert all(block.dtype == dtype for block in read)
+            np.testing.assert_array_equal(np.concatenate(read, axis=1), np.stack(rows))
     with pytest.raises(ValueError, match="different lengths"):
         StackedRows([np.zeros(3), np.zeros(4)])
 

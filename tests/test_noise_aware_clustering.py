@@ -13,7 +13,9 @@ from sklearn.metrics import adjusted_rand_score
 
 from dpcfl_flwr.clustering import (
     NoiseAwareClusterer,
+    StackedRows,
     UpdateClusterer,
+    blocks,
     combine_noise,
     debiased_projection,
     eigen,
@@ -315,6 +317,24 @@ def test_estimated_noise_is_close_to_the_truth_and_never_far_below():
     fitted = NoiseAwareClusterer(2, n_components=None, noise_source="estimate").fit(updates)
     ratio = fitted.estimated_noise_variances_ / variances
     assert ratio.min() > 0.95 and ratio.max() < 1.2
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_gram_is_float32_products_summed_in_float64_within_its_rounding(stacked):
+    """update_gram's block products run in float32 (the silos' precision, half the time):
+    every entry within a few sqrt(w) 2^-24 of ||x_i|| ||x_j|| of the float64 product, far
+    below the 1/sqrt(p') of it that the DP noise already puts there, and p' counted alike."""
+    _, _, updates = _updates(seed=3, n=30, p=50_000)
+    updates[:, :100] = 0.0  # frozen coordinates: not trained
+    rows = updates.astype(np.float32)
+    exact = rows.astype(np.float64) @ rows.T.astype(np.float64)
+    gram, trained = update_gram(StackedRows(list(rows)) if stacked else rows)
+    norms = np.sqrt(np.diag(exact))
+    error = np.abs(gram - exact) / np.outer(norms, norms)
+    width = blocks.column_width(len(rows))
+    assert error.max() < 8 * math.sqrt(width) * 2.0**-24 < 0.1 / math.sqrt(trained)
+    assert error.max() > 1e-10  # rounded in float32: a float64 product agrees to ~1e-16
+    assert trained == 50_000 - 100
 
 
 def test_projected_noise_is_each_silos_own_variance():

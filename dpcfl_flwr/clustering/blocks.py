@@ -1,5 +1,6 @@
 """The round-1 updates as the clusterings read them: an (n, p) matrix, a block of columns at a
-time, in float64, without ever holding a float64 copy of the whole matrix.
+time, in float64 (or float32 where a product needs no more), without ever holding a float64
+copy of the whole matrix.
 
 Why blocks of at most ``BLOCK_BYTES``: a large array is mapped afresh by the allocator each
 time it is made, and on a virtual machine each fresh page can cost its first touch several
@@ -27,14 +28,17 @@ def column_width(rows: int) -> int:
     return max(1, BLOCK_BYTES // (8 * max(rows, 1)))
 
 
-def column_blocks(updates: Any) -> Iterator[np.ndarray]:
-    """Each block of columns of ``updates``, left to right, as float64: ``updates`` is an (n, p)
-    array, a :class:`StackedRows`, or anything with ``.shape`` whose ``[:, a:b]`` gives that
-    column block."""
+def column_blocks(updates: Any, dtype: type = np.float64) -> Iterator[np.ndarray]:
+    """Each block of columns of ``updates``, left to right, as ``dtype``: ``updates`` is an
+    (n, p) array, a :class:`StackedRows`, or anything with ``.shape`` whose ``[:, a:b]``
+    gives that column block (a :class:`StackedRows` makes it in ``dtype`` directly)."""
     n, p = updates.shape
     width = column_width(n)
     for start in range(0, p, width):
-        yield np.asarray(updates[:, start:start + width], dtype=np.float64)
+        columns = slice(start, start + width)
+        block = (updates.block(columns, dtype) if isinstance(updates, StackedRows)
+                 else updates[:, columns])
+        yield np.asarray(block, dtype=dtype)
 
 
 class StackedRows:
@@ -52,9 +56,16 @@ class StackedRows:
 
     def __getitem__(self, index: tuple[slice, slice]) -> np.ndarray:
         rows, columns = index
-        chosen = self._rows[rows]
-        block = np.empty((len(chosen), len(range(*columns.indices(self.shape[1])))))
-        for i, row in enumerate(chosen):
+        return self._block(self._rows[rows], columns, np.float64)
+
+    def block(self, columns: slice, dtype: type) -> np.ndarray:
+        """Every row's ``columns``, as one (n, width) array of ``dtype``."""
+        return self._block(self._rows, columns, dtype)
+
+    def _block(self, rows: Sequence[np.ndarray], columns: slice, dtype: type) -> np.ndarray:
+        width = len(range(*columns.indices(self.shape[1])))
+        block: np.ndarray = np.empty((len(rows), width), dtype)
+        for i, row in enumerate(rows):
             block[i] = row[columns]
         return block
 

@@ -41,11 +41,21 @@ REG_COVAR = 1e-6
 
 def update_gram(updates: UpdateMatrix) -> tuple[np.ndarray, int]:
     """The (n, n) Gram matrix X X^T of the (n, p) updates and p', the number of trained
-    coordinates (those some update moves: a frozen parameter gets no DP noise)."""
+    coordinates (those some update moves: a frozen parameter gets no DP noise).
+
+    Each column block's product is computed in float32, the precision the silos send, and
+    summed in float64: twice as fast (at 1,008 silos of the CNN 0.28 s against 0.66 s on
+    two BLAS threads) and harmless: where DP noise dominates the updates, every entry
+    already carries noise of about ||x_i|| ||x_j|| / sqrt(p'), while float32 rounding over
+    a block of w columns is about sqrt(w) 2^-24 of it (w from :func:`.blocks.column_width`:
+    2,080 at 1,008 silos, 99,864 at 21). For the CNN (p' = 28,938) the noise is 2,000 times
+    the rounding at 1,008 silos and 300 times at 21; for ResNet-18 (11 million) 110 and 16
+    times. Measured at 1,008 silos: the Gram within 1.4e-7 of ||x_i|| ||x_j||, the noise
+    estimates within 5e-7 of the float64 ones, identical responsibilities."""
     n = updates.shape[0]
     gram = np.zeros((n, n))
     trained = 0
-    for block in column_blocks(updates):
+    for block in column_blocks(updates, np.float32):
         with outer_blas_threads():  # n^2 p multiply-adds: the one step more threads speed up
             gram += block @ block.T
         trained += int(np.count_nonzero(np.any(block != 0, axis=0)))
