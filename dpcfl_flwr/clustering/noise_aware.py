@@ -38,6 +38,11 @@ NoiseSource = Literal["plan", "estimate", "larger"]
 # sklearn's default regularisation of a spherical variance, kept so the two fits agree.
 REG_COVAR = 1e-6
 
+#: Lanczos' relative accuracy in the signal Gram's refits, which stop once the diagonal moves
+#: by less than 1e-6: at 1,008 silos 0.11 s of refits instead of 0.18 s at machine precision,
+#: the diagonal within 1.3e-11 of that.
+REFIT_TOLERANCE = 1e-10
+
 
 def update_gram(updates: UpdateMatrix) -> tuple[np.ndarray, int]:
     """The (n, n) Gram matrix X X^T of the (n, p) updates and p', the number of trained
@@ -130,7 +135,7 @@ def signal_gram(gram: np.ndarray, rank: int, iterations: int = 20) -> np.ndarray
     start = None  # the last refit's eigenvectors, summed: Lanczos starts near their span
     for _ in range(iterations):
         np.fill_diagonal(matrix, diagonal)
-        values, vectors = top_eigenpairs(matrix, rank, start)
+        values, vectors = top_eigenpairs(matrix, rank, start, REFIT_TOLERANCE)
         start = vectors.sum(axis=1)
         fitted = np.einsum("ik,k,ik->i", vectors, np.clip(values, 0.0, None), vectors)
         settled = np.abs(fitted - diagonal).max() <= 1e-6 * max(np.abs(fitted).max(), 1e-300)
