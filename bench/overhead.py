@@ -23,11 +23,13 @@ Two transports, the quick example's R-DPCFL rounds (21 silos, N_i = 500):
 
 With --by-process, every process's CPU time is sampled from /proc (bench/process_cpu.py) and
 rounds 2..R's capacity (W cores x wall) is split into the silos' work, each role's other CPU
-and idle time: where the overhead goes.
+and idle time: where the overhead goes. With --repeat K, each transport runs K times and a
+round's figures are the K runs' medians, with the range of its overhead: one run's round
+moves by several points from run to run on a shared machine.
 
   python bench/overhead.py [--rounds 4] [--transports simulation,grpc,grpc-per-message]
                            [--idle-poll S] [--pull-hold S] [--cpus-per-client C]
-                           [--by-process] [--no-append]
+                           [--by-process] [--repeat K] [--no-append]
 """
 
 from __future__ import annotations
@@ -130,26 +132,46 @@ def whole(results: dict) -> float:
                 / (WORKERS * sum(r["seconds"] for r in rounds)))
 
 
-def rows(name: str, results: dict, sequential_workers: bool) -> tuple[list[str], float, float]:
-    """Table rows, the mean overhead of rounds 2..R, and its mean beyond the packing floor
-    (equal to the overhead when silos time-share the cores, as over gRPC)."""
+def round_figures(name: str, results: dict, sequential_workers: bool) -> list[dict]:
+    """Per round of one run: its wall, the silos' CPU, the packing floor (sum / W when silos
+    time-share the cores, as over gRPC), the overhead and the overhead beyond the floor."""
     silent = [r["round"] for r in results["rounds"] if not r["client_cpu_seconds"]]
     if silent:
         raise SystemExit(f"{name}: no silo reported cpu-seconds in rounds {silent}, so the "
                          "overhead cannot be measured")
-    lines, fractions, beyond = [], [], []
+    figures = []
     for r in results["rounds"]:
         compute, wall = r["client_cpu_seconds"], r["seconds"]
         floor = compute / WORKERS
         if sequential_workers and r.get("silo_cpu_seconds"):
             floor = packing_bound(list(r["silo_cpu_seconds"].values()), WORKERS)
-        fraction, past_floor = 1 - compute / (WORKERS * wall), 1 - floor / wall
-        if r["round"] > 1:
-            fractions.append(fraction)
+        figures.append({"round": r["round"], "stage": r["stage"], "wall": wall,
+                        "compute": compute, "floor": floor,
+                        "overhead": 1 - compute / (WORKERS * wall),
+                        "beyond": 1 - floor / wall})
+    return figures
+
+
+def rows(name: str, runs: list[list[dict]]) -> tuple[list[str], float, float]:
+    """Table rows, each round's median over ``runs`` (the runs' range of its overhead when
+    there are several), the mean of rounds 2..R's median overhead, and the same beyond the
+    packing floor."""
+    lines, fractions, beyond = [], [], []
+    for rounds in zip(*runs, strict=True):
+        def median(key: str, rounds: tuple[dict, ...] = rounds) -> float:
+            return float(np.median([r[key] for r in rounds]))
+        first = rounds[0]
+        compute, overhead, past_floor = median("compute"), median("overhead"), median("beyond")
+        if first["round"] > 1:
+            fractions.append(overhead)
             beyond.append(past_floor)
-        lines.append(f"| {name} | {r['round']} ({r['stage']}) | {wall:.1f} | {compute:.1f} | "
-                     f"{compute / WORKERS:.1f} | {floor:.1f} | {100 * fraction:.0f}% | "
-                     f"{100 * past_floor:.0f}% |")
+        spread = ""
+        if len(runs) > 1:
+            values = [100 * r["overhead"] for r in rounds]
+            spread = f" {min(values):.0f}-{max(values):.0f}% |"
+        lines.append(f"| {name} | {first['round']} ({first['stage']}) | {median('wall'):.1f} | "
+                     f"{compute:.1f} | {compute / WORKERS:.1f} | {median('floor'):.1f} | "
+                     f"{100 * overhead:.0f}% | {100 * past_floor:.0f}% |{spread}")
     return lines, float(np.mean(fractions)), float(np.mean(beyond))
 
 
@@ -194,39 +216,52 @@ def main() -> None:
                              "`dpcfl server`'s; 0: Flower's immediate answer)")
     parser.add_argument("--by-process", action="store_true",
                         help="also split each transport's rounds 2..R by process role")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per transport; each round's figures are their medians")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     scale = {"samples-per-client": args.samples_per_client} if args.samples_per_client else {}
     poll = ("--idle-poll", f"{args.idle_poll:g}") if args.idle_poll else ()
     hold = ("--pull-hold", f"{args.pull_hold:g}") if args.pull_hold is not None else ()
     table, summary, splits = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.transports.split(","):
-            started = time.perf_counter()
             run = {"simulation": lambda r, d, s: simulation(r, d, s, args.cpus_per_client),
                    "grpc": lambda r, d, s: grpc(r, d, s, *poll, server_options=hold),
                    "grpc-per-message": lambda r, d, s: grpc(r, d, s, "--process-per-message",
                                                             *poll, server_options=hold)}[name]
-            root = Path(tmp) / name
-            progress = root / ("simulation" if name == "simulation" else "grpc/run") / (
-                "progress.jsonl")
-            # Sample /proc only when asked: sampling is CPU the measured round does not get.
-            sampler = ProcessCpuSampler(progress)
-            with sampler if args.by_process else contextlib.nullcontext():
-                results = run(args.rounds, root, scale)
-            wall = time.perf_counter() - started
             sequential = name == "simulation" and args.cpus_per_client == 1.0
-            lines, mean, beyond = rows(name, results, sequential)
+            runs, walls, totals = [], [], []
+            for attempt in range(args.repeat):
+                started = time.perf_counter()
+                root = Path(tmp) / f"{name}-{attempt}"
+                progress = root / ("simulation" if name == "simulation" else "grpc/run") / (
+                    "progress.jsonl")
+                # Sample /proc only when asked (the first run): sampling is CPU the measured
+                # round does not get.
+                sampler = ProcessCpuSampler(progress)
+                sampled = args.by_process and attempt == 0
+                with sampler if sampled else contextlib.nullcontext():
+                    results = run(args.rounds, root, scale)
+                walls.append(time.perf_counter() - started)
+                runs.append(round_figures(name, results, sequential))
+                totals.append(whole(results))
+                if sampled:
+                    splits.append(split_by_process(name, results, sampler))
+                print(f"{name}: run {attempt + 1} of {args.repeat} done", file=sys.stderr)
+            lines, mean, beyond = rows(name, runs)
             table += lines
-            summary.append(f"{name}: mean overhead of rounds 2..{args.rounds} = "
+            medians = "" if args.repeat == 1 else f"of {args.repeat} runs' medians "
+            summary.append(f"{name}: mean overhead {medians}of rounds 2..{args.rounds} = "
                            f"{100 * mean:.0f}% ({100 * beyond:.0f}% beyond packing); "
-                           f"rounds 1..{args.rounds} together {100 * whole(results):.0f}%; "
-                           f"whole run {wall:.0f} s wall")
-            if args.by_process:
-                splits.append(split_by_process(name, results, sampler))
+                           f"rounds 1..{args.rounds} together {100 * np.median(totals):.0f}%; "
+                           f"whole run {np.median(walls):.0f} s wall")
+    spread = ("", "") if args.repeat == 1 else (" overhead, range over runs |", "---|")
     body = ("| transport | round | round wall (s) | client CPU, sum (s) | "
-            f"CPU / {WORKERS} cores (s) | packing floor (s) | overhead | beyond packing |\n"
-            "|---|---|---|---|---|---|---|---|\n"
+            f"CPU / {WORKERS} cores (s) | packing floor (s) | overhead | beyond packing |"
+            f"{spread[0]}\n|---|---|---|---|---|---|---|---|{spread[1]}\n"
             + "\n".join(table) + "\n\n" + "\n".join(f"- {s}" for s in summary)
             + "".join(f"\n\n{split}" for split in splits))
     publish(_title(args), body, append=not args.no_append)
@@ -241,6 +276,8 @@ def _title(args: argparse.Namespace) -> str:
         parts.append(f"transports {args.transports}")
     if args.rounds != DEFAULT_ROUNDS:
         parts.append(f"{args.rounds} rounds")
+    if args.repeat > 1:
+        parts.append(f"medians of {args.repeat} runs")
     return f"Framework overhead per round ({', '.join(parts)})"
 
 

@@ -1,6 +1,6 @@
 """The overhead bench's packing floor: a true lower bound on a round's makespan, and tight for
-the simulation's case of near-equal silos; and its deployed silos report the CPU seconds the
-overhead is measured against."""
+the simulation's case of near-equal silos; its deployed silos report the CPU seconds the
+overhead is measured against; and repeated runs report each round's medians."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import opt_in_cpu_seconds, packing_bound
+from bench.overhead import opt_in_cpu_seconds, packing_bound, round_figures, rows
 from dpcfl_flwr.deploy.localhost import DPCFL
 from dpcfl_flwr.deploy.silo_file import deployed_settings, load_silo_file
 
@@ -66,3 +66,27 @@ def test_opting_in_refuses_a_file_whose_last_table_is_not_node(tmp_path: Path) -
     (tmp_path / "silo-00.toml").write_text('name = "a"\n[node]\nepsilon = 1.0\n[extra]\n')
     with pytest.raises(SystemExit, match="last table"):
         opt_in_cpu_seconds(tmp_path)
+
+
+def _results(walls: list[float], silo_seconds: list[list[float]]) -> dict:
+    """A run's results.json as the bench reads it: rounds with their wall and silos' CPU."""
+    return {"rounds": [
+        {"round": i + 1, "stage": "soft", "seconds": wall,
+         "client_cpu_seconds": sum(cpu), "silo_cpu_seconds": dict(enumerate(cpu))}
+        for i, (wall, cpu) in enumerate(zip(walls, silo_seconds, strict=True))]}
+
+
+def test_repeated_runs_report_each_rounds_median_and_the_range_of_its_overhead() -> None:
+    # three runs of two rounds, each silo 1 s of CPU on 2 workers: a round of 2 silos has a
+    # floor of 1 s, so a wall of 1.25 s is 20% overhead
+    cpu = [[1.0, 1.0], [1.0, 1.0]]
+    runs = [round_figures("simulation", _results(walls, cpu), True)
+            for walls in ([1.0, 1.25], [1.1, 1.0], [2.0, 1.6])]
+    lines, mean, beyond = rows("simulation", runs)
+    # round 2's overheads: 20%, 0%, 37.5% -> median 20%; walls 1.25, 1.0, 1.6 -> 1.25
+    assert lines[1] == "| simulation | 2 (soft) | 1.2 | 2.0 | 1.0 | 1.0 | 20% | 20% | 0-38% |"
+    assert mean == pytest.approx(0.2) and beyond == pytest.approx(0.2)
+    assert lines[0].endswith("| 9% | 9% | 0-50% |")  # 0%, 9.1%, 50%
+    single, mean_one, _ = rows("simulation", runs[:1])
+    assert single[1] == "| simulation | 2 (soft) | 1.2 | 2.0 | 1.0 | 1.0 | 20% | 20% |"
+    assert mean_one == pytest.approx(0.2)
