@@ -337,6 +337,19 @@ def test_the_gram_is_float32_products_summed_in_float64_within_its_rounding(stac
     assert trained == 50_000 - 100
 
 
+def test_an_update_whose_squares_pass_float32s_range_still_gives_the_exact_gram():
+    """A silo may send any finite float32 values: one whose products overflow float32 (here
+    1e30) must neither turn the Gram matrix infinite nor change the other silos' entries."""
+    _, _, updates = _updates(seed=4, n=12, p=5_000)
+    rows = updates.astype(np.float32)
+    rows[3] *= np.float32(1e30)
+    exact = rows.astype(np.float64) @ rows.T.astype(np.float64)
+    gram, _ = update_gram(rows)
+    norms = np.sqrt(np.diag(exact))
+    assert np.isfinite(gram).all()
+    assert (np.abs(gram - exact) / np.outer(norms, norms)).max() < 1e-6
+
+
 def test_projected_noise_is_each_silos_own_variance():
     """In the debiased projection a silo's scatter about its cluster's centre has variance
     v_i on every axis (A13), quiet and noisy silos alike."""
