@@ -158,20 +158,19 @@ def rows(name: str, runs: list[list[dict]]) -> tuple[list[str], float, float]:
     packing floor."""
     lines, fractions, beyond = [], [], []
     for rounds in zip(*runs, strict=True):
-        def median(key: str, rounds: tuple[dict, ...] = rounds) -> float:
-            return float(np.median([r[key] for r in rounds]))
+        m = {key: float(np.median([r[key] for r in rounds]))
+             for key in ("wall", "compute", "floor", "overhead", "beyond")}
         first = rounds[0]
-        compute, overhead, past_floor = median("compute"), median("overhead"), median("beyond")
         if first["round"] > 1:
-            fractions.append(overhead)
-            beyond.append(past_floor)
+            fractions.append(m["overhead"])
+            beyond.append(m["beyond"])
         spread = ""
         if len(runs) > 1:
             values = [100 * r["overhead"] for r in rounds]
             spread = f" {min(values):.0f}-{max(values):.0f}% |"
-        lines.append(f"| {name} | {first['round']} ({first['stage']}) | {median('wall'):.1f} | "
-                     f"{compute:.1f} | {compute / WORKERS:.1f} | {median('floor'):.1f} | "
-                     f"{100 * overhead:.0f}% | {100 * past_floor:.0f}% |{spread}")
+        lines.append(f"| {name} | {first['round']} ({first['stage']}) | {m['wall']:.1f} | "
+                     f"{m['compute']:.1f} | {m['compute'] / WORKERS:.1f} | {m['floor']:.1f} | "
+                     f"{100 * m['overhead']:.0f}% | {100 * m['beyond']:.0f}% |{spread}")
     return lines, float(np.mean(fractions)), float(np.mean(beyond))
 
 
