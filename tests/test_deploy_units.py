@@ -323,3 +323,36 @@ def test_free_ports_are_drawn_below_the_kernels_ephemeral_range(monkeypatch):
             assert free_port() != port
     monkeypatch.setattr(localhost, "EPHEMERAL_RANGE", localhost.Path("/nonexistent"))
     assert free_port() >= floor  # no range known: the kernel's pick
+
+
+def test_a_port_is_never_handed_out_twice_so_a_superlink_never_lands_among_its_silos(
+        tmp_path, monkeypatch):
+    """A drawn port is unbound until its server starts: the Fleet port once fell inside the
+    silos' runtime-port block, and one silo could not start."""
+    from dpcfl_flwr.deploy import localhost
+
+    draws = iter([])
+    honest = localhost.random.SystemRandom.randrange
+
+    def replay(self, low, high):  # the draws queued below first, then honest ones
+        return next(draws, None) or honest(self, low, high)
+
+    monkeypatch.setattr(localhost.random.SystemRandom, "randrange", replay)
+    block = free_port(21)
+    for port in range(block, block + 21):  # all free: each silo's server can listen there
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+    draws = iter([block, block + 7, block + 20])  # each inside the block: all refused
+    assert free_port() not in range(block, block + 21)
+    draws = iter([block - 5])  # a block overlapping the one handed out: refused
+    assert free_port(10) not in range(block - 9, block + 21)
+    with pytest.raises(ValueError, match="at least 1"):
+        free_port(0)
+
+    draws = iter([block + 30, block + 33, block + 50, block + 29])
+    deployment = localhost.LocalDeployment(tmp_path, clusters="3,6,6,6")
+    silo_ports = range(deployment.runtime_ports, deployment.runtime_ports + 21)
+    assert deployment.runtime_ports == block + 30
+    assert deployment.fleet not in silo_ports and deployment.api not in silo_ports
+    assert deployment.fleet == block + 29 and deployment.api not in (block + 29, *silo_ports)

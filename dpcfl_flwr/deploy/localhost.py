@@ -33,30 +33,55 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 FREE_PORT_SPAN = 12000  # how many ports below that range it draws from
 
 
-def free_port() -> int:
-    """A TCP port nothing is bound to on 127.0.0.1 now, for a server started next.
+#: Every port :func:`free_port` has handed out in this process: it never hands one out twice.
+_GIVEN: set[int] = set()
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports nothing is bound to on 127.0.0.1 now, for
+    servers started next, none of them handed out before by this process.
 
     Drawn at random below the kernel's ephemeral range, where it can be: the kernel gives
     ports of that range to outgoing connections as their source ports, so a port it handed
     out there could be taken by another process's connection before the server binds it (a
     silo whose runtime port was taken so would not start). Where the range leaves no room
-    below it, the kernel picks one."""
+    below it, the kernel picks the first. A port handed out is not bound until its server
+    starts, so a probe alone would hand it out again: a SuperLink's Fleet port drawn inside
+    the block of its silos' runtime ports left one silo unable to start."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
     try:
         floor = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         floor = 0
     draw = random.SystemRandom()
     for _ in range(100 if floor - FREE_PORT_SPAN >= 1024 else 0):
-        port = draw.randrange(floor - FREE_PORT_SPAN, floor)
+        first = draw.randrange(floor - FREE_PORT_SPAN, floor - count + 1)
+        if _claim(first, count):
+            return first
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if _claim(first, count):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def _claim(first: int, count: int) -> bool:
+    """Whether ports first .. first + count - 1 are all unbound and never handed out; if so,
+    they are handed out now."""
+    ports = range(first, first + count)
+    if ports.stop > 65536 or any(port in _GIVEN for port in ports):
+        return False
+    for port in ports:
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
-                continue
-            return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+                return False
+    _GIVEN.update(ports)
+    return True
 
 
 #: The run-config keys that fix a silo's records and reports, and the silo flag of each.
@@ -87,6 +112,7 @@ class LocalDeployment:
         self.bin_dir = bin_dir or BIN_DIR
         self.clusters = clusters
         self.silos = sum(int(c) for c in clusters.split(","))
+        self.runtime_ports = free_port(self.silos)  # silo i listens on this + i
         self.fleet, self.api = free_port(), free_port()
         self.env = {**os.environ, "FLWR_HOME": str(root / "flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
         self.processes: dict[str, subprocess.Popen] = {}
@@ -128,7 +154,7 @@ class LocalDeployment:
                  "--nodes", str(self.silos + 1))
         self.run("topology", "silos", "--clusters", self.clusters, "--out", "clients",
                  "--superlink", f"127.0.0.1:{self.fleet}",
-                 "--runtime-port-base", str(free_port()))
+                 "--runtime-port-base", str(self.runtime_ports))
         keys = [arg for i in range(self.silos) for arg in ("--register",
                                                            f"certs/nodes/silo-{i:02d}.pub")]
         self._server = ["server", "--certs", "certs", "--fleet-address",
