@@ -208,11 +208,14 @@ def test_the_objects_of_all_replies_a_poll_brings_come_in_one_batch(grid_to_link
         np.testing.assert_array_equal(
             reply.content["update"]["w"].numpy(),
             sent[reply.metadata.reply_to_message_id].content["update"]["w"].numpy())
+    store = link.state.object_store
+    assert not any(object_id in store for reply in sent.values()  # each reply confirmed:
+                   for object_id in get_all_nested_objects(reply))  # the link dropped it
     routes = [p.rsplit("/", 1)[1] for p in paths]
-    if grid_to_link.fast_path:
-        assert routes == ["pull-messages", "dpcfl-pull-objects",
-                          *["confirm-message-received"] * 3]
+    if grid_to_link.fast_path:  # and the three confirmations in one batch
+        assert routes == ["pull-messages", "dpcfl-pull-objects", "dpcfl-confirm-messages"]
     else:  # Flower's SuperLink took no batch (the push's was refused): one per object
         assert "dpcfl-pull-objects" not in routes
+        assert routes.count("confirm-message-received") == 3
         assert routes.count("pull-object") == sum(
             len(get_all_nested_objects(reply)) for reply in sent.values())

@@ -22,10 +22,10 @@ Flower's app untouched. It is installed only while the tuning is on
 (:mod:`dpcfl_flwr.flower_compat`), and only when no middleware of an extension or an event-log
 plugin would have seen these requests.
 
-It also answers the two batch routes of :mod:`.object_batches` (``dpcfl-pull-objects``,
-``dpcfl-push-objects``), which Flower's app does not have: a batch of serialised
-``pull-object`` or ``push-object`` requests under one token, each answered by the same
-handler as alone, in order. A batch it cannot answer (more than
+It also answers the three batch routes of :mod:`.object_batches` (``dpcfl-pull-objects``,
+``dpcfl-push-objects``, ``dpcfl-confirm-messages``), which Flower's app does not have: a batch
+of serialised ``pull-object``, ``push-object`` or ``confirm-message-received`` requests under
+one token, each answered by the same handler as alone, in order. A batch it cannot answer (more than
 :data:`~.object_batches.MAX_BATCH_ITEMS` requests among them) goes to Flower's app, which
 answers 404, and the ServerApp falls back to one request per object.
 """
