@@ -118,3 +118,28 @@ def test_evaluation_uses_the_model_each_silo_would_use(run):
     assert {int(m.content.config_records["config"]["server-round"]) for m in evaluations} == {
         3, 6, 9, 10}
     assert all(s.test_accuracy == 1.0 for s in strategy.silos.values())
+
+
+_BUILD_THE_STRATEGY = """
+import sys
+from dpcfl_flwr.config.settings import parse_run_config
+from dpcfl_flwr.server_app import initial_arrays
+from dpcfl_flwr.strategies import ClusteredStrategy
+experiment = parse_run_config({"clusters": "2,2", "out-dir": "unused"})
+before = "sklearn.mixture" in sys.modules
+ClusteredStrategy(experiment, initial_arrays(experiment))
+print(before, "sklearn.mixture" in sys.modules, "sklearn.cluster" in sys.modules)
+"""
+
+
+def test_the_server_loads_the_mixture_code_when_it_starts_not_in_round_ones_clustering():
+    """scikit-learn's mixture code (0.07-0.1 s to import) is loaded as the strategy is built,
+    while the silos train round 1, so round 1's clustering does not wait for it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loaded = subprocess.run([sys.executable, "-c", _BUILD_THE_STRATEGY], check=True,
+                            capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    assert loaded == ["False", "True", "True"]

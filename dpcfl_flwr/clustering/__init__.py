@@ -9,6 +9,7 @@ from .gmm import (
     GMMFit,
     UpdateClusterer,
     fit_spherical_gmm,
+    load_mixture_code,
     overlap,
     project_updates,
     scale_points,
@@ -26,7 +27,8 @@ from .noise_aware import (
 
 __all__ = [
     "GMMFit", "NoiseAwareClusterer", "StackedRows", "UpdateClusterer", "combine_noise",
-    "debiased_projection", "fit_noise_aware_gmm", "fit_spherical_gmm", "overlap", "project_updates",
+    "debiased_projection", "fit_noise_aware_gmm", "fit_spherical_gmm", "load_mixture_code",
+    "overlap", "project_updates",
     "residual_noise_variances", "scale_points", "separation_scores", "switch_round",
     "update_gram",
 ]

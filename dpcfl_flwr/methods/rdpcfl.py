@@ -20,7 +20,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from ..clustering import NoiseAwareClusterer, StackedRows, UpdateClusterer, switch_round
+from ..clustering import (
+    NoiseAwareClusterer,
+    StackedRows,
+    UpdateClusterer,
+    load_mixture_code,
+    switch_round,
+)
 from ..config.registry import register
 from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
@@ -118,6 +124,7 @@ class RDPCFL(Method):
         self.choice: dict[int, int] = {}
         self.clustering: ClusteringOutcome | None = None
         self.switch = experiment.num_server_rounds  # E_c; set after round 1
+        load_mixture_code()  # here, while the silos train round 1, not in its clustering
 
     # --- schedule ---------------------------------------------------------------------------
     def schedule(self) -> Schedule:
