@@ -350,9 +350,13 @@ def test_a_port_is_never_handed_out_twice_so_a_superlink_never_lands_among_its_s
     with pytest.raises(ValueError, match="at least 1"):
         free_port(0)
 
-    draws = iter([block + 30, block + 33, block + 50, block + 29])
+    # a deployment whose Fleet draws land among its silos' ports: a block known to be free
+    # (claimed, then handed back) is its silos' first draw
+    silos = free_port(21)
+    localhost._GIVEN.difference_update(range(silos, silos + 21))
+    draws = iter([silos, silos + 7, silos + 20])
     deployment = localhost.LocalDeployment(tmp_path, clusters="3,6,6,6")
-    silo_ports = range(deployment.runtime_ports, deployment.runtime_ports + 21)
-    assert deployment.runtime_ports == block + 30
+    silo_ports = range(silos, silos + 21)
+    assert deployment.runtime_ports == silos and next(draws, None) is None  # all were drawn
     assert deployment.fleet not in silo_ports and deployment.api not in silo_ports
-    assert deployment.fleet == block + 29 and deployment.api not in (block + 29, *silo_ports)
+    assert deployment.fleet != deployment.api
