@@ -86,7 +86,11 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
                   if k not in ("clusters", "out-dir")}
         values["round-timeout"] = toml_value(600.0)  # a lost reply fails in minutes
         run = deployment.flwr_run("run", REPO, **values)
-        code = run.wait(timeout=7200)
+        try:
+            code = deployment.wait_run(run, timeout=7200)
+        except RuntimeError as exc:
+            run.kill()
+            raise SystemExit(f"{exc}; so the gRPC overhead cannot be measured") from exc
         results = deployment.root / "run" / "results.json"
         if code != 0 or not results.exists():
             lines = [line for line in deployment.log("run").splitlines() if line.strip()]

@@ -360,3 +360,27 @@ def test_a_port_is_never_handed_out_twice_so_a_superlink_never_lands_among_its_s
     assert deployment.runtime_ports == silos and next(draws, None) is None  # all were drawn
     assert deployment.fleet not in silo_ports and deployment.api not in silo_ports
     assert deployment.fleet != deployment.api
+
+
+def test_waiting_for_a_run_stops_as_soon_as_a_silo_has_ended(tmp_path):
+    """A silo that cannot start (here: a silo file that is not there) ends its process; the
+    wait for the run then says so at once, with the silo's last log line, instead of waiting
+    for the run, which would wait for that silo until its wait-for-clients ran out."""
+    import sys
+
+    from dpcfl_flwr.deploy.localhost import LocalDeployment
+
+    deployment = LocalDeployment(tmp_path, clusters="1,1")
+    deployment.start("silo-00", "client", "no-such-silo.toml")  # the real `dpcfl client`
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with pytest.raises(RuntimeError, match=r"silo-00 ended \(exit 2\) before the run: "
+                                               r".*'no-such-silo.toml' does not exist"):
+            deployment.wait_run(run, timeout=300)  # a missed silo: TimeoutExpired instead
+        assert run.poll() is None  # the run was still going
+    finally:
+        run.kill()
+        run.wait()
+        deployment.down()
+    ended = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert deployment.wait_run(ended, timeout=120) == 3  # no silo left: the run's own status

@@ -197,6 +197,24 @@ class LocalDeployment:
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
+    def wait_run(self, run: subprocess.Popen, timeout: float) -> int:
+        """The exit status of ``run`` (a ``flwr run`` of this deployment), waiting at most
+        ``timeout`` s (then ``subprocess.TimeoutExpired``). Raises RuntimeError as soon as a
+        silo's process ends before the run does, with the silo's name and the last line of
+        its log: a silo that could not start would otherwise keep the run waiting for it
+        until the run's wait-for-clients ran out (minutes), to end with "too few silos"."""
+        deadline = time.monotonic() + timeout
+        while (code := run.poll()) is None:
+            for name, process in self.processes.items():
+                if name.startswith("silo-") and process.poll() is not None:
+                    lines = [line for line in self.log(name).splitlines() if line.strip()]
+                    raise RuntimeError(f"{name} ended (exit {process.returncode}) before the "
+                                       f"run: {lines[-1] if lines else 'no output'}")
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(run.args, timeout)
+            time.sleep(0.5)
+        return code
+
     def down(self) -> None:
         _kill_all(list(self.processes.values()))
         self.processes.clear()
