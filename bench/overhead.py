@@ -93,9 +93,8 @@ def grpc(rounds: int, root: Path, scale: dict[str, int], *silo_options: str,
             raise SystemExit(f"{exc}; so the gRPC overhead cannot be measured") from exc
         results = deployment.root / "run" / "results.json"
         if code != 0 or not results.exists():
-            lines = [line for line in deployment.log("run").splitlines() if line.strip()]
             raise SystemExit(f"flwr run failed (exit {code}), so the gRPC overhead cannot be "
-                             f"measured: {lines[-1] if lines else 'no output'}")
+                             f"measured: {deployment.last_line('run')}")
         return json.loads(results.read_text())
     finally:
         deployment.down()

@@ -134,6 +134,11 @@ class LocalDeployment:
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
+    def last_line(self, name: str) -> str:
+        """The last non-blank line of ``name``'s log (its error, when it failed)."""
+        lines = [line for line in self.log(name).splitlines() if line.strip()]
+        return lines[-1] if lines else "no output"
+
     def kill(self, name: str) -> None:
         """SIGKILL the silo and everything it started: no goodbye to the SuperLink."""
         _kill_all([self.processes.pop(name)])
@@ -207,9 +212,8 @@ class LocalDeployment:
         while (code := run.poll()) is None:
             for name, process in self.processes.items():
                 if name.startswith("silo-") and process.poll() is not None:
-                    lines = [line for line in self.log(name).splitlines() if line.strip()]
                     raise RuntimeError(f"{name} ended (exit {process.returncode}) before the "
-                                       f"run: {lines[-1] if lines else 'no output'}")
+                                       f"run: {self.last_line(name)}")
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(run.args, timeout)
             time.sleep(0.5)
