@@ -40,7 +40,7 @@ from .protocol import (
     pack_state,
     reply,
 )
-from .runs.heap import after_reply, give_back_freed_memory
+from .runs.heap import after_reply, message_answered, message_started
 from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo.round import evaluate_round, train_round
 from .silo.silo import BudgetExceeded, RoundRepeated, Silo
@@ -106,6 +106,9 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     """Turn a silo's refusals and failures into Error replies the server can log."""
 
     def wrapped(message: Message, context: Context) -> Message:
+        deployed = not running_in_simulation()
+        if deployed:
+            message_started()
         try:
             return handler(message, context)
         except BudgetExceeded as exc:
@@ -121,13 +124,13 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
             logger.error("silo cannot run %s: %s", message.metadata.message_type, exc)
             return Message(Error(SILO_FAILED, f"{type(exc).__name__}: {exc}"), reply_to=message)
         finally:
-            if not running_in_simulation():
+            if deployed:
                 # a deployed silo answers for one partition, whose records it caches
                 # (silo/silo.py): the benchmark they were sliced from is dead weight until
                 # another run asks for other records; and what the message's round freed
-                # goes back to the system (runs/heap.py), once the reply has left
+                # goes back to the system once the silo has gone idle (runs/heap.py)
                 after_reply(release_cached_datasets)
-                after_reply(give_back_freed_memory)
+                after_reply(message_answered)
 
     wrapped.__name__ = handler.__name__
     return wrapped

@@ -1,5 +1,4 @@
-"""Freed heap memory handed back to the operating system after each of a deployed silo's
-messages.
+"""Freed heap memory handed back to the operating system once a deployed silo has gone idle.
 
 A silo's round takes memory it frees before it replies: the full-batch round (the
 per-sample gradients and activations of a chunk of up to 512 records) and the privacy
@@ -7,15 +6,21 @@ accountant's compositions. glibc's ``malloc`` keeps freed memory for reuse rathe
 return it, so a silo process held its largest round's memory for the rest of its life: on
 the quick example, a silo's resident memory stayed ~150 MB above what it held between
 rounds, and 21 silos on one machine held 21 such peaks. ``malloc_trim(0)`` returns the free
-pages of every heap. It takes a few milliseconds, once per message, and is called only
-outside simulation (there one process serves every silo, one message after another).
+pages of every heap. It is called only outside simulation (there one process serves every
+silo, one message after another).
 
-The silo's reply need not wait for it: where the reply's sender says so (a warm ClientApp's
-runtime, :func:`reply_first`), :func:`after_reply` holds the work until the reply has left.
-On a machine whose cores the silos share, the trim otherwise held each reply a little longer
-(5-9 ms of CPU per message on the quick example, in a thread that yields to the others).
+When: once the silo has had no message for :data:`IDLE_SECONDS` (:func:`message_started`,
+:func:`message_answered`). A silo whose next message comes sooner needs that memory again,
+and giving it back would cost twice: the trim itself (2-4 ms of CPU a message on the quick
+example, measured in the silos of a gRPC run), then the page faults of touching the memory
+afresh in the next round. On a machine whose cores the silos share, that CPU was taken from
+the silos still training, a round's tail. A run that pauses (the server evaluating, waiting
+for late silos, or done) gets the memory back within seconds.
+
+The silo's reply need not wait for work that is not the answer: where the reply's sender says
+so (a warm ClientApp's runtime, :func:`reply_first`), :func:`after_reply` holds such work until
+the reply has left.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -47,6 +52,51 @@ def give_back_freed_memory() -> bool:
     (False too where the C library cannot)."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+#: Seconds without a message after which a silo gives back what its messages freed: longer
+#: than the gap between a silo's reply and its next round in the quick example over gRPC
+#: (1-8 s: the other silos finishing, the server aggregating), far shorter than a pause.
+IDLE_SECONDS = 10.0
+
+_idle = threading.Lock()  # guards the two below
+_answering = 0  # messages being answered in this process
+_pending: threading.Timer | None = None  # the trim that waits for IDLE_SECONDS of no message
+
+
+def message_started() -> None:
+    """A message is being answered: a trim waiting for the silo to go idle is called off."""
+    global _answering, _pending
+    with _idle:
+        _answering += 1
+        if _pending is not None:
+            _pending.cancel()
+            _pending = None
+
+
+def message_answered(seconds: float | None = None) -> None:
+    """The message :func:`message_started` announced is answered: when no other is being
+    answered, freed memory goes back to the system after ``seconds`` (s; default
+    :data:`IDLE_SECONDS`) with no new message."""
+    global _answering, _pending
+    with _idle:
+        _answering = max(_answering - 1, 0)
+        if _answering or _pending is not None:
+            return
+        timer = threading.Timer(IDLE_SECONDS if seconds is None else seconds,
+                                _trim_if_still_idle)
+        timer.daemon = True  # a process that ends does not wait to trim
+        _pending = timer
+        timer.start()
+
+
+def _trim_if_still_idle() -> None:
+    global _pending
+    with _idle:
+        if _pending is not threading.current_thread():  # called off meanwhile
+            return
+        _pending = None
+    give_back_freed_memory()
 
 
 _replying = threading.local()  # .waiting: the work held until this thread's reply has left
@@ -81,4 +131,5 @@ def reply_first() -> Iterator[None]:
                 logger.exception("clean-up after a reply failed")
 
 
-__all__ = ["after_reply", "give_back_freed_memory", "reply_first"]
+__all__ = ["IDLE_SECONDS", "after_reply", "give_back_freed_memory", "message_answered",
+           "message_started", "reply_first"]
