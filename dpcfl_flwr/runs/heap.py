@@ -10,12 +10,13 @@ pages of every heap. It is called only outside simulation (there one process ser
 silo, one message after another).
 
 When: once the silo has had no message for :data:`IDLE_SECONDS` (:func:`message_started`,
-:func:`message_answered`). A silo whose next message comes sooner needs that memory again,
-and giving it back would cost twice: the trim itself (2-4 ms of CPU a message on the quick
-example, measured in the silos of a gRPC run), then the page faults of touching the memory
-afresh in the next round. On a machine whose cores the silos share, that CPU was taken from
-the silos still training, a round's tail. A run that pauses (the server evaluating, waiting
-for late silos, or done) gets the memory back within seconds.
+:func:`message_answered`). A silo whose next message comes sooner needs that memory again:
+giving it back after every reply cost the trim (2-4 ms of CPU a message on the quick example,
+measured in the silos of a gRPC run), and on a machine whose cores the silos share that CPU
+was taken from the silos still training; the next round then maps the memory afresh. A run
+that pauses (the server evaluating, waiting for late silos, or done) gets the memory back
+within seconds. Before a round trains, the silo still gives back what its accountant freed
+(silo/silo.py, ``check``), so a round's peak stays the larger of the two, not their sum.
 
 The silo's reply need not wait for work that is not the answer: where the reply's sender says
 so (a warm ClientApp's runtime, :func:`reply_first`), :func:`after_reply` holds such work until
