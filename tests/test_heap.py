@@ -53,15 +53,16 @@ for _ in range(2048):
     kept.append(bytearray(64 << 10))
 del freed
 seen = {"holes": rss()}
+heap.IDLE_SECONDS = 0.3
 heap.message_started(); heap.message_started()
-heap.message_answered(0.3)  # the other message is still being answered: no trim
+heap.message_answered()  # the other message is still being answered: no trim
 time.sleep(0.8)
 seen["one of two answered"] = rss()
-heap.message_answered(0.3)
+heap.message_answered()
 heap.message_started()  # a new message within the wait calls the trim off
 time.sleep(0.8)
 seen["called off by a new message"] = rss()
-heap.message_answered(0.3)
+heap.message_answered()
 armed = time.monotonic()
 while rss() > seen["holes"] - 96 and time.monotonic() < armed + 30:
     time.sleep(0.02)

@@ -76,17 +76,16 @@ def message_started() -> None:
             _pending = None
 
 
-def message_answered(seconds: float | None = None) -> None:
+def message_answered() -> None:
     """The message :func:`message_started` announced is answered: when no other is being
-    answered, freed memory goes back to the system after ``seconds`` (s; default
-    :data:`IDLE_SECONDS`) with no new message."""
+    answered, freed memory goes back to the system after :data:`IDLE_SECONDS` with no new
+    message."""
     global _answering, _pending
     with _idle:
         _answering = max(_answering - 1, 0)
         if _answering or _pending is not None:
             return
-        timer = threading.Timer(IDLE_SECONDS if seconds is None else seconds,
-                                _trim_if_still_idle)
+        timer = threading.Timer(IDLE_SECONDS, _trim_if_still_idle)
         timer.daemon = True  # a process that ends does not wait to trim
         _pending = timer
         timer.start()
