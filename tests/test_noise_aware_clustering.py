@@ -406,16 +406,17 @@ class NoisySilo(ScriptedSilo):
     step on N = 100 records at noise multiplier ``z``, reported like a real silo reports it."""
 
     def __init__(self, partition: int, layout: ModelLayout, centres: np.ndarray, z: float,
-                 learning_rate: float, clip: float) -> None:
+                 learning_rate: float, clip: float, scale: float = 1.0) -> None:
         super().__init__(partition, layout, centres)
         self.z, self.std = z, learning_rate * z * clip / 100
+        self.scale = scale  # what its round-1 update is multiplied by: 1 for an honest silo
 
     def _train(self, message: Message, cluster: int) -> Message:
         if cluster != INITIAL:
             return super()._train(message, cluster)
         self.received.append(message)
-        update = self.centres[TRUTH[self.partition]] + self.rng.normal(
-            0, self.std, self.layout.size)
+        update = self.scale * (self.centres[TRUTH[self.partition]] + self.rng.normal(
+            0, self.std, self.layout.size))
         metrics = {"cluster": cluster, "selected": 0, "num-examples": 100, "val-loss": 1.0,
                    "val-accuracy": 0.5, "epsilon-spent": 1.0, "noise-multiplier": self.z,
                    "batch-size": 100, "steps": 1}
@@ -423,7 +424,7 @@ class NoisySilo(ScriptedSilo):
                                                {UPDATE: pack(update.astype(np.float32))}))
 
 
-def _run(clustering: str, source: str = "larger"):
+def _run(clustering: str, source: str = "larger", scales: dict[int, float] | None = None):
     experiment = parse_run_config({
         "clusters": "2,3,3", "rdpcfl.n-clusters": 0, "rdpcfl.max-clusters": 4,
         "num-server-rounds": 4, "rdpcfl.clustering": clustering,
@@ -436,7 +437,8 @@ def _run(clustering: str, source: str = "larger"):
     centres *= 0.05 / np.linalg.norm(centres, axis=1, keepdims=True)
     # Odd silos: 10x the noise multiplier of even ones, 100x the noise variance.
     silos = {NODE + p: NoisySilo(p, layout, centres, 1.0 if p % 2 == 0 else 10.0,
-                                 experiment.learning_rate, experiment.clip_norm)
+                                 experiment.learning_rate, experiment.clip_norm,
+                                 (scales or {}).get(p, 1.0))
              for p in range(len(TRUTH))}
     grid = GridDouble(silos)
     strategy.discover(grid, expected=len(TRUTH), wait=1)
@@ -476,3 +478,38 @@ def test_rdpcfl_default_is_todays_spherical_gmm(server_task_identity, caplog):
                       * experiment.clip_norm / 100) ** 2 for p in outcome.partitions])
     np.testing.assert_allclose(outcome.noise_variances, plan, rtol=1e-6)
     assert np.min(np.array(outcome.estimated_noise_variances) / plan) > 0.8
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e12])
+def test_a_silo_whose_update_is_far_off_the_others_loses_round_one_not_the_clustering(
+        server_task_identity, caplog, scale):
+    """Silo 4 sends its round-1 update times ``scale``, finite float32 values: 1e12 made the
+    noise-aware fit overflow and end the run; 1e4 left it its own cluster and the others
+    lumped. It loses round 1 (docs/algorithm.md#updates-far-off-the-others); the others are
+    clustered as they truly are."""
+    with caplog.at_level(logging.ERROR):
+        strategy, _ = _run("noise-aware", scales={4: scale})
+    outcome = strategy.method.clustering
+    assert 4 not in outcome.partitions and len(outcome.partitions) == len(TRUTH) - 1
+    assert _same_partition(np.array(outcome.labels), np.array(TRUTH)[outcome.partitions])
+    assert strategy.silos[4].dropped_rounds == [1]
+    assert all(s.dropped_rounds == [] for p, s in strategy.silos.items() if p != 4)
+    [complaint] = [r.getMessage() for r in caplog.records if "median" in r.getMessage()]
+    multiple = float(complaint.split("norm is ")[1].split(" times")[0])
+    assert complaint.startswith("round 1: silo 4 ") and scale / 10 < multiple < scale * 10
+
+
+def test_the_fit_refuses_updates_whose_norms_lie_past_what_float64_resolves():
+    """Called directly, the noise-aware fit names an update more than 1e6 times the median
+    norm (a clear error where it overflowed at ~1e9) and still fits one 1e5 times off."""
+    _, _, updates = _updates(seed=1, n=12, p=2_000)
+    rows = updates.astype(np.float32)
+    median = float(np.median(np.linalg.norm(rows, axis=1)))
+    for multiple, refused in ((1e5, False), (1e9, True)):
+        far = rows.copy()
+        far[7] *= np.float32(multiple * median / np.linalg.norm(rows[7]))
+        if refused:
+            with pytest.raises(ValueError, match="update 7's norm is 1e\\+09 times"):
+                NoiseAwareClusterer(None, range(2, 5)).fit(far)
+        else:
+            assert NoiseAwareClusterer(None, range(2, 5)).fit(far).labels_.shape == (12,)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from flwr.app import MetricRecord, RecordDict
 from dpcfl_flwr.config.settings import ConfigError, parse_run_config
 from dpcfl_flwr.dpsgd.training import DPSGDConfig, train_dp
 from dpcfl_flwr.flower_compat.ended_sessions import SESSION_ENDED, error_reply
-from dpcfl_flwr.methods.base import INITIAL
+from dpcfl_flwr.methods.base import INITIAL, TrainReply
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.protocol import (
     ANCHOR,
@@ -29,6 +31,7 @@ from dpcfl_flwr.protocol import (
 )
 from dpcfl_flwr.server_app import initial_arrays
 from dpcfl_flwr.strategies import build_strategy
+from dpcfl_flwr.strategies.replies import far_off_updates
 
 from .grid_double import GridDouble
 from .scripted_silos import NODE, TRUTH, ScriptedSilo
@@ -267,3 +270,19 @@ def test_an_error_the_superlink_sends_in_a_silos_name_counts_for_that_silo(
     assert not any("did not reply" in r.getMessage() for r in caplog.records)
     first_eval = strategy.reports[2].test_accuracy
     assert 1 not in first_eval and len(first_eval) == len(TRUTH) - 1
+
+
+def test_an_update_is_far_off_only_beside_a_median_of_three_or_more():
+    """far_off_updates: norms against the median of the round's updates (silos that keep their
+    model send none), from 3 updates on; a norm past float32's range is infinitely far."""
+    def replies(*norms):
+        return {i: TrainReply(0, None if n is None else np.full(4, n / 2, np.float32), {})
+                for i, n in enumerate(norms)}
+
+    assert far_off_updates(replies(1.0, 2.0, 2001.0, 1.5)) == {2: pytest.approx(2001 / 1.75)}
+    assert far_off_updates(replies(1.0, 1.0, 999.0)) == {}  # 999x the median of 1: kept
+    assert far_off_updates(replies(1.0, 1e9)) == {}  # two updates: no median for the others
+    assert far_off_updates(replies(1.0, None, None, 1e9)) == {}
+    assert far_off_updates(replies(0.0, 0.0, 5.0)) == {}  # a median of 0 judges nothing
+    assert far_off_updates(replies(1.0, 1.0, 3e38)) == {2: math.inf}
+    assert far_off_updates(replies(1.0, 2.0, 30.0), ratio=10) == {2: 15.0}

@@ -74,6 +74,25 @@ def update_gram(updates: UpdateMatrix) -> tuple[np.ndarray, int]:
     return gram, trained
 
 
+#: The largest ratio of one update's norm to the median update's that the fit takes: its Gram
+#: matrix then spans 12 of float64's ~16 significant digits; at ~1e9 the fit overflowed. A run
+#: drops updates far sooner (1,000x, ``strategies.replies.far_off_updates``).
+MAX_NORM_SPREAD = 1e6
+
+
+def check_norm_spread(gram: np.ndarray) -> None:
+    """ValueError naming the update whose norm (from the Gram's diagonal) is more than
+    :data:`MAX_NORM_SPREAD` times the median update's: beside it, the fit cannot resolve the
+    others."""
+    norms = np.sqrt(np.clip(np.diagonal(gram), 0.0, None))
+    median = float(np.median(norms))
+    worst = int(np.argmax(norms))
+    if median > 0 and norms[worst] > MAX_NORM_SPREAD * median:
+        raise ValueError(f"update {worst}'s norm is {norms[worst] / median:.3g} times the "
+                         f"median update's (at most {MAX_NORM_SPREAD:g}): the others cannot "
+                         "be told apart beside it; drop it before clustering")
+
+
 def residual_noise_variances(gram: np.ndarray, trained: int) -> np.ndarray:
     """v_hat_i: the energy of update i off the span of all *other* updates, per remaining
     coordinate, 1 / ((G^-1)_ii (p' - n + 1)) (A14). That span does not depend on silo i's
@@ -613,6 +632,7 @@ class NoiseAwareClusterer(UpdateClusterer):
         candidates = self._candidates(n_points)
         dims = {m: self._dimension(m, n_points) for m in candidates}
         gram, trained = update_gram(updates)
+        check_norm_spread(gram)
         self.estimated_noise_variances_ = (np.zeros(n_points) if self.noise_source == "plan"
                                            else residual_noise_variances(gram, trained))
         self.noise_variances_ = combine_noise(reported, self.estimated_noise_variances_,

@@ -17,6 +17,14 @@ from ..aggregation import dp_noise_variance
 from ..methods.base import INITIAL, TrainReply
 from ..protocol import METRICS, OWN, UPDATE, ModelLayout, metrics_of, model_records, number
 
+#: How many times the median norm of a round's updates one update's norm may be
+#: (docs/algorithm.md#updates-far-off-the-others). Honest DP updates differ by their noise:
+#: over the paper's nine uneven budgets (Dist1-Dist9, its batch sizes) the noisiest silo's
+#: noise norm is at most 12x the median silo's; one update 1,000x the others' leaves both
+#: clusterings with one cluster for nearly every other silo, and ~1e9x made the noise-aware
+#: fit overflow.
+MAX_NORM_RATIO = 1e3
+
 
 def reply_numbers(message: Message, keys: tuple[str, ...],
                   record: str = METRICS) -> tuple[Mapping[str, Any], list[float]]:
@@ -63,3 +71,21 @@ def train_reply(message: Message, layout: ModelLayout, n_clusters: int,
     if batch is not None and steps is not None and batch > 0 and steps >= 0:
         variance = dp_noise_variance(numbers[2], clip_norm, 1.0, batch, steps)
     return TrainReply(cluster, update, fields, variance)
+
+
+def far_off_updates(replies: Mapping[int, TrainReply],
+                    ratio: float = MAX_NORM_RATIO) -> dict[int, float]:
+    """The silos (keys of ``replies``) whose update's norm is more than ``ratio`` times the
+    median norm of the round's updates, with that multiple: one silo's arithmetic gone wrong,
+    or a silo that wants the clustering to itself. None with fewer than 3 updates (no median
+    to stand for the others) or when the median norm is 0. A norm past float32's range counts
+    as infinitely far off."""
+    with np.errstate(over="ignore"):  # such a norm is inf, which the test below catches
+        norms = {key: float(np.linalg.norm(reply.update)) for key, reply in replies.items()
+                 if reply.update is not None}
+    if len(norms) < 3:
+        return {}
+    median = float(np.median(list(norms.values())))
+    if not median > 0:
+        return {}
+    return {key: norm / median for key, norm in norms.items() if norm > ratio * median}

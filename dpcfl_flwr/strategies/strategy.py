@@ -44,7 +44,7 @@ from ..protocol import (
     pack,
 )
 from .checkpoint import Checkpoint
-from .replies import known_number, reply_numbers, train_reply
+from .replies import far_off_updates, known_number, reply_numbers, train_reply
 from .round_report import RoundReport
 from .silos import SiloRoster
 
@@ -284,6 +284,12 @@ class ClusteredStrategy(Strategy):
             batch = known_number(reply.metrics, "batch-size")
             silo.batch_size = None if batch is None else int(batch)
             silo.dprivacy_leakage = known_number(reply.metrics, "dprivacy-leakage")
+        for partition, multiple in far_off_updates(good).items():
+            del good[partition]
+            self.silos[partition].dropped_rounds.append(server_round)
+            logger.error("round %d: silo %d sent a reply the server cannot use (dropped): its "
+                         "update's norm is %.3g times the median of the round's updates",
+                         server_round, partition, multiple)
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
