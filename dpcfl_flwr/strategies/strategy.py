@@ -274,9 +274,7 @@ class ClusteredStrategy(Strategy):
                 reply = train_reply(message, self.layout, self.n_clusters,
                                     self.experiment.clip_norm)
             except ValueError as exc:
-                silo.dropped_rounds.append(server_round)
-                logger.error("round %d: silo %d sent a reply the server cannot use (dropped): "
-                             "%s", server_round, partition, exc)
+                self._drop_unusable(server_round, partition, str(exc))
                 continue
             good[partition] = reply
             silo.epsilon_spent = number(reply.metrics, "epsilon-spent")
@@ -286,10 +284,8 @@ class ClusteredStrategy(Strategy):
             silo.dprivacy_leakage = known_number(reply.metrics, "dprivacy-leakage")
         for partition, multiple in far_off_updates(good).items():
             del good[partition]
-            self.silos[partition].dropped_rounds.append(server_round)
-            logger.error("round %d: silo %d sent a reply the server cannot use (dropped): its "
-                         "update's norm is %.3g times the median of the round's updates",
-                         server_round, partition, multiple)
+            self._drop_unusable(server_round, partition, f"its update's norm is {multiple:.3g} "
+                                "times the median of the round's updates")
         for partition in missing:
             self.silos[partition].dropped_rounds.append(server_round)
             logger.warning("round %d: silo %d did not reply (dropped)", server_round, partition)
@@ -307,6 +303,12 @@ class ClusteredStrategy(Strategy):
         )
         self.reports.append(report)
         return report
+
+    def _drop_unusable(self, server_round: int, partition: int, reason: str) -> None:
+        """Silo ``partition`` loses ``server_round``: its reply cannot be used, for ``reason``."""
+        self.silos[partition].dropped_rounds.append(server_round)
+        logger.error("round %d: silo %d sent a reply the server cannot use (dropped): %s",
+                     server_round, partition, reason)
 
     # --- Flower's hooks: evaluation ---------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
