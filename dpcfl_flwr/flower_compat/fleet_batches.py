@@ -37,6 +37,19 @@ would ask again is dropped. A SuperLink that does not know the field answers wit
 ``confirmed``, and the SuperNode confirms with its own call as before. One call less per
 message: on the quick example over gRPC one in five of a message's Fleet calls, and a round
 trip before each silo starts its round.
+
+A reply goes with its objects in one call, ``DpcflPushMessage``, when they are all in the
+SuperNode's object store as Flower's loop pushes it (they are once the ClientApp is done): its
+request carries the serialised ``PushMessagesRequest`` (the batch's ``message``) and, as items,
+the objects' ``PushObjectRequest``s without a session. The SuperLink answers the message with
+Flower's ``PushMessages``, then each item Flower asked for with Flower's ``PushObject`` in the
+push session Flower opened, and returns Flower's ``PushMessagesResponse`` less the objects now
+stored: Flower's loop then pushes none, or those left (an object Flower did not store, the
+objects past one batch) as before. The message and every item must name the calling node. A
+SuperLink without the method answers as above, and the SuperNode pushes its replies Flower's
+way, PushMessages then the objects in batches. Two calls become one: a silo-round takes three
+Fleet calls (PullMessages, DpcflPullObjects, DpcflPushMessage) where Flower makes 4 + the
+messages' objects.
 """
 
 from __future__ import annotations
@@ -56,12 +69,14 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "flwr.proto.Fleet"  # Flower's node authentication guards the methods of this service
 PULL_METHOD, PUSH_METHOD = "DpcflPullObjects", "DpcflPushObjects"
+PUSH_MESSAGE_METHOD = "DpcflPushMessage"
 
 
 def _node_batch_type() -> type:
     """``dpcfl.NodeBatch {dpcfl.BatchNode node = 1; repeated bytes items = 2; bytes confirm =
-    3; bool confirmed = 4;}`` with ``dpcfl.BatchNode {uint64 node_id = 1;}`` (the wire form of
-    Flower's ``Node``); ``confirm`` and ``confirmed`` are the pull batch's (module doc)."""
+    3; bool confirmed = 4; bytes message = 5;}`` with ``dpcfl.BatchNode {uint64 node_id =
+    1;}`` (the wire form of Flower's ``Node``); ``confirm`` and ``confirmed`` are the pull
+    batch's, ``message`` the message push's (module doc)."""
     field = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="dpcfl/node_batch.proto", package="dpcfl",
                                               syntax="proto3")
@@ -74,6 +89,7 @@ def _node_batch_type() -> type:
     batch.field.add(name="confirm", number=3, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
     batch.field.add(name="confirmed", number=4, type=field.TYPE_BOOL,
                     label=field.LABEL_OPTIONAL)
+    batch.field.add(name="message", number=5, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("dpcfl.NodeBatch"))
@@ -89,22 +105,71 @@ def _answered_in_order(answer_one: Callable[[Any, Any], Any], request_type: Any,
                        ) -> Callable[[Any, Any], Any]:
     """A batch method answering each item with ``answer_one`` (Flower's servicer method), then
     the batch's ``confirm`` with ``confirm`` (pull batches only: :func:`_confirmed`)."""
-    import grpc
-
     def answer(batch: Any, context: Any) -> Any:
-        if len(batch.items) > MAX_BATCH_ITEMS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"a batch holds at most {MAX_BATCH_ITEMS} requests")
-        responses = []
-        for raw in batch.items:
-            request = request_type.FromString(raw)
-            if request.node.node_id != batch.node.node_id:  # the node the call was checked for
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "Invalid node ID")
-            responses.append(answer_one(request, context))
+        responses = [answer_one(request, context)
+                     for request in _items(batch, request_type, context)]
         confirmed = confirm is not None and bool(batch.confirm) and confirm(
             batch, context, responses)
         return NodeBatch(node=batch.node, items=[r.SerializeToString() for r in responses],
                          confirmed=confirmed)
+
+    return answer
+
+
+def _items(batch: Any, request_type: Any, context: Any) -> list[Any]:
+    """The batch's items parsed as ``request_type``, the call refused (as Flower refuses a
+    request naming another node) unless each names the node the call was checked for, and
+    with INVALID_ARGUMENT past :data:`MAX_BATCH_ITEMS` items."""
+    import grpc
+
+    if len(batch.items) > MAX_BATCH_ITEMS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"a batch holds at most {MAX_BATCH_ITEMS} requests")
+    items = [request_type.FromString(raw) for raw in batch.items]
+    _check_node(batch, items, context)
+    return items
+
+
+def _check_node(batch: Any, requests: list[Any], context: Any) -> None:
+    """Refuse the call unless every request names the batch's node, the one Flower's node
+    authentication checked the call for."""
+    import grpc
+
+    if any(request.node.node_id != batch.node.node_id for request in requests):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "Invalid node ID")
+
+
+def _message_pushed(push_message: Callable[[Any, Any], Any],
+                    push_object: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """The message push (module doc): ``push_message`` (Flower's ``PushMessages``) on the
+    batch's message, then ``push_object`` (Flower's ``PushObject``) on each item Flower asked
+    for, in the session it opened; the answer's ``message`` is Flower's response less the
+    objects stored. An object push that fails stays asked for: the SuperNode pushes it with
+    Flower's own call and gets Flower's answer there."""
+    from flwr.proto.fleet_pb2 import PushMessagesRequest  # pylint: disable=E0611
+    from flwr.proto.message_pb2 import PushObjectRequest  # pylint: disable=E0611
+
+    def answer(batch: Any, context: Any) -> Any:
+        objects = _items(batch, PushObjectRequest, context)
+        request = PushMessagesRequest.FromString(batch.message)
+        _check_node(batch, [request], context)
+        response = push_message(request, context)
+        wanted = set(response.objects_to_push)
+        for item in objects:
+            if item.object_id not in wanted:
+                continue
+            item.session_id = response.session_id
+            try:
+                stored = push_object(item, context).stored
+            except Exception:  # noqa: BLE001 - the SuperNode's own call gets Flower's error
+                logger.debug("an object of a message push failed", exc_info=True)
+                continue
+            if stored:
+                wanted.discard(item.object_id)
+        left = [object_id for object_id in response.objects_to_push if object_id in wanted]
+        del response.objects_to_push[:]
+        response.objects_to_push.extend(left)
+        return NodeBatch(node=batch.node, message=response.SerializeToString())
 
     return answer
 
@@ -114,13 +179,11 @@ def _confirmed(confirm_one: Callable[[Any, Any], Any]) -> Callable[[Any, Any, li
     ``ConfirmMessageReceivedRequest`` once every pull found its object available; whether it
     was confirmed. A failed confirmation is Flower's to report: the SuperNode, told nothing
     was confirmed, confirms with its own call and gets Flower's answer there."""
-    import grpc
     from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest  # pylint: disable=E0611
 
     def confirm(batch: Any, context: Any, pulled: list[Any]) -> bool:
         request = ConfirmMessageReceivedRequest.FromString(batch.confirm)
-        if request.node.node_id != batch.node.node_id:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Invalid node ID")
+        _check_node(batch, [request], context)
         if not all(p.object_found and p.object_available for p in pulled):
             return False
         try:
@@ -134,7 +197,7 @@ def _confirmed(confirm_one: Callable[[Any, Any], Any]) -> Callable[[Any, Any, li
 
 
 def batch_methods(servicer: Any) -> Any:
-    """The two batch methods of ``servicer`` (Flower's FleetServicer), as a gRPC handler."""
+    """The three batch methods of ``servicer`` (Flower's FleetServicer), as a gRPC handler."""
     import grpc
     from flwr.proto.message_pb2 import (  # pylint: disable=E0611
         PullObjectRequest,
@@ -149,7 +212,9 @@ def batch_methods(servicer: Any) -> Any:
     return grpc.method_handlers_generic_handler(SERVICE, {
         PULL_METHOD: method(_answered_in_order(servicer.PullObject, PullObjectRequest,
                                                _confirmed(servicer.ConfirmMessageReceived))),
-        PUSH_METHOD: method(_answered_in_order(servicer.PushObject, PushObjectRequest))})
+        PUSH_METHOD: method(_answered_in_order(servicer.PushObject, PushObjectRequest)),
+        PUSH_MESSAGE_METHOD: method(_message_pushed(servicer.PushMessages,
+                                                    servicer.PushObject))})
 
 
 def serve(superlink_cli: Any) -> bool:
@@ -183,22 +248,27 @@ def _object_ids(tree: Any) -> list[str]:
 class ConnectionBatches:
     """One SuperNode connection's batch calls (plain gRPC calls: the stub method that uses
     them carries Flower's retries), with what it learnt from its pulls: the node, and the
-    objects and id of the message received last, by run."""
+    objects and id of the message received last, by run; and the SuperNode's object store,
+    where a reply's objects are when it is pushed (:func:`install`)."""
 
     def __init__(self, channel: Any, pull_messages: Callable[[Any], Any],
                  pull_object: Callable[[Any], Any],
-                 confirm_message_received: Callable[[Any], Any]) -> None:
+                 confirm_message_received: Callable[[Any], Any],
+                 push_messages: Callable[[Any], Any]) -> None:
         def call(method: str) -> Callable[[Any], Any]:
             return channel.unary_unary(  # type: ignore[no-any-return]
                 f"/{SERVICE}/{method}", request_serializer=NodeBatch.SerializeToString,
                 response_deserializer=NodeBatch.FromString)
 
         self.pull_batch, self.push_batch = call(PULL_METHOD), call(PUSH_METHOD)
+        self.push_message_batch = call(PUSH_MESSAGE_METHOD)
         self._pull_messages, self._pull_object = pull_messages, pull_object
-        self._confirm = confirm_message_received
-        self.usable = True
-        self.answered = False  # whether a batch call was answered: UNKNOWN then is an error
+        self._confirm, self._push_messages = confirm_message_received, push_messages
+        self.usable = True  # whether the SuperLink takes object batches
+        self.pushes_messages = True  # whether it takes a reply with its objects
+        self._answered: set[Any] = set()  # batch calls answered once: UNKNOWN then is an error
         self.node: Any = None
+        self.store: Any = None  # the SuperNode's ObjectStore, once its loop pushes a reply
         self._lock = threading.Lock()
         self._expected: dict[int, list[str]] = {}  # run id -> objects of its last message
         self._pulled: dict[str, Any] = {}  # object id -> PullObjectResponse
@@ -209,11 +279,25 @@ class ConnectionBatches:
              ) -> list[bytes] | None:
         """The serialised responses to ``items``, in order; None when the SuperLink has no
         batch methods (then none is sent again)."""
-        answer = self._answer(call, NodeBatch(node={"node_id": node.node_id}, items=items))
+        answer = self._items_answered(call, NodeBatch(node={"node_id": node.node_id},
+                                                      items=items))
         return None if answer is None else list(answer.items)
 
+    def _items_answered(self, call: Callable[[Any], Any], batch: Any) -> Any | None:
+        """The SuperLink's answer to the object batch ``batch``, one response per item; None
+        when it has no object batches (then no object batch goes again)."""
+        answer = self._answer(call, batch)
+        if answer is None:
+            self.usable = False
+            logger.info("the SuperLink takes no object batches: one call per object from now on")
+            return None
+        if len(answer.items) != len(batch.items):
+            raise RuntimeError(f"the SuperLink answered {len(answer.items)} of a batch of "
+                               f"{len(batch.items)} object requests")
+        return answer
+
     def _answer(self, call: Callable[[Any], Any], batch: Any) -> Any | None:
-        """The SuperLink's answer to ``batch``, one response per item; None as in :meth:`send`."""
+        """The SuperLink's answer to ``batch``; None when it lacks the method ``call`` calls."""
         import grpc
 
         try:
@@ -223,16 +307,53 @@ class ConnectionBatches:
             # Flower 1.39's SuperLink answers a method it lacks with UNKNOWN, not
             # UNIMPLEMENTED: its error-translation interceptor fails on the missing handler
             if not (code == grpc.StatusCode.UNIMPLEMENTED or (
-                    code == grpc.StatusCode.UNKNOWN and not self.answered)):
+                    code == grpc.StatusCode.UNKNOWN and call not in self._answered)):
                 raise
-            self.usable = False
-            logger.info("the SuperLink takes no object batches: one call per object from now on")
             return None
-        self.answered = True
-        if len(answer.items) != len(batch.items):
-            raise RuntimeError(f"the SuperLink answered {len(answer.items)} of a batch of "
-                               f"{len(batch.items)} object requests")
+        self._answered.add(call)
         return answer
+
+    def push_messages(self, request: Any) -> Any:
+        """Flower's ``PushMessages``, in one call with the reply's objects when they are all
+        in the object store (module doc); Flower's call otherwise."""
+        from flwr.proto.fleet_pb2 import PushMessagesResponse  # pylint: disable=E0611
+
+        contents = self._reply_contents(request) if self.usable and self.pushes_messages else []
+        if contents:
+            answer = self._answer(self.push_message_batch,
+                                  self._message_batch(request, contents))
+            if answer is not None:
+                return PushMessagesResponse.FromString(answer.message)
+            self.pushes_messages = False
+            logger.info("the SuperLink takes no reply with its objects: a reply's objects "
+                        "go after it from now on")
+        return self._push_messages(request)
+
+    def _reply_contents(self, request: Any) -> list[tuple[str, bytes]]:
+        """The first batch of the pushed reply's objects, from the object store; none unless
+        there is one reply and every one of its objects is there (Flower's loop then waits
+        for the missing ones)."""
+        if self.store is None or len(request.message_object_trees) != 1:
+            return []
+        contents = []
+        for object_id in dict.fromkeys(_object_ids(request.message_object_trees[0])):
+            content = self.store.get(object_id)
+            if not content:  # None: not in the store; b"": not yet there
+                return []
+            contents.append((object_id, content))
+        return next(batches_of(contents), [])
+
+    @staticmethod
+    def _message_batch(request: Any, contents: list[tuple[str, bytes]]) -> Any:
+        from flwr.proto.message_pb2 import PushObjectRequest  # pylint: disable=E0611
+
+        run_id = request.messages_list[0].metadata.run_id
+        return NodeBatch(node={"node_id": request.node.node_id},
+                         message=request.SerializeToString(), items=[
+                             PushObjectRequest(node=request.node, run_id=run_id,
+                                               object_id=object_id, object_content=content
+                                               ).SerializeToString()
+                             for object_id, content in contents])
 
     def pull_messages(self, request: Any) -> Any:
         """Flower's ``PullMessages``, noting the node and the objects of what came."""
@@ -287,7 +408,7 @@ class ConnectionBatches:
                                           message_object_id=message_id).SerializeToString())
         for start in range(0, len(object_ids), MAX_BATCH_ITEMS):
             part = object_ids[start:start + MAX_BATCH_ITEMS]
-            answer = self._answer(self.pull_batch, NodeBatch(
+            answer = self._items_answered(self.pull_batch, NodeBatch(
                 node={"node_id": request.node.node_id}, confirm=confirm, items=[
                     PullObjectRequest(node=request.node, run_id=request.run_id,
                                       object_id=object_id).SerializeToString()
@@ -309,19 +430,20 @@ def current_batches() -> ConnectionBatches | None:
 
 
 def batching_stub(flowers_stub: type) -> type:
-    """Flower's ``FleetStub`` whose ``PullMessages``, ``PullObject`` and
-    ``ConfirmMessageReceived`` go through :class:`ConnectionBatches` (Flower's retries then
-    wrap these, as they wrap its own)."""
+    """Flower's ``FleetStub`` whose ``PullMessages``, ``PullObject``,
+    ``ConfirmMessageReceived`` and ``PushMessages`` go through :class:`ConnectionBatches`
+    (Flower's retries then wrap these, as they wrap its own)."""
 
     class BatchingFleetStub(flowers_stub):  # type: ignore[misc, valid-type]
         def __init__(self, channel: Any) -> None:
             super().__init__(channel)
             flowers: Any = self  # its methods are set by Flower's generated __init__
             batches = ConnectionBatches(channel, flowers.PullMessages, flowers.PullObject,
-                                        flowers.ConfirmMessageReceived)
+                                        flowers.ConfirmMessageReceived, flowers.PushMessages)
             self.dpcfl_batches = batches  # not callable: Flower's retry wrapper leaves it
             flowers.PullMessages, flowers.PullObject = batches.pull_messages, batches.pull_object
             flowers.ConfirmMessageReceived = batches.confirm_message_received
+            flowers.PushMessages = batches.push_messages
             _current[:] = [weakref.ref(batches)]
 
     return BatchingFleetStub
@@ -375,9 +497,20 @@ def install(connection: Any, loop: Any) -> bool:
         if done < len(contents):
             flowers_push(contents[done:], push_object_fn, **options)
 
+    flowers_push_messages = loop._push_messages  # pylint: disable=protected-access
+
+    def _push_messages(*args: Any, **kwargs: Any) -> None:
+        """Flower's reply push, the connection told the object store it reads from (Flower
+        1.39 passes it as ``object_store``)."""
+        batches = current_batches()
+        if batches is not None:
+            batches.store = kwargs.get("object_store", args[1] if len(args) > 1 else None)
+        flowers_push_messages(*args, **kwargs)
+
     loop.push_object_contents_from_iterable = push_object_contents_from_iterable
+    loop._push_messages = _push_messages  # pylint: disable=protected-access
     return True
 
 
-__all__ = ["PULL_METHOD", "PUSH_METHOD", "SERVICE", "ConnectionBatches", "NodeBatch",
-           "batch_methods", "batching_stub", "current_batches", "install", "serve"]
+__all__ = ["PULL_METHOD", "PUSH_MESSAGE_METHOD", "PUSH_METHOD", "SERVICE", "ConnectionBatches",
+           "NodeBatch", "batch_methods", "batching_stub", "current_batches", "install", "serve"]
