@@ -35,8 +35,7 @@ call. Flower's confirmation only lets the SuperLink drop the objects a SuperNode
 and Flower's SuperNode pulls each object once unless it was not yet available, so nothing it
 would ask again is dropped. A SuperLink that does not know the field answers without
 ``confirmed``, and the SuperNode confirms with its own call as before. One call less per
-message: on the quick example over gRPC one in five of a message's Fleet calls, and a round
-trip before each silo starts its round.
+message, and a round trip less before each silo starts its round.
 
 A reply goes with its objects in one call, ``DpcflPushMessage``, when they are all in the
 SuperNode's object store as Flower's loop pushes it (they are once the ClientApp is done): its
@@ -48,8 +47,8 @@ stored: Flower's loop then pushes none, or those left (an object Flower did not 
 objects past one batch) as before. The message and every item must name the calling node. A
 SuperLink without the method answers as above, and the SuperNode pushes its replies Flower's
 way, PushMessages then the objects in batches. Two calls become one: a silo-round takes three
-Fleet calls (PullMessages, DpcflPullObjects, DpcflPushMessage) where Flower makes 4 + the
-messages' objects.
+Fleet calls (PullMessages, DpcflPullObjects, DpcflPushMessage) where Flower makes three and
+one per object of the message and of its reply (9 on the quick example).
 """
 
 from __future__ import annotations
