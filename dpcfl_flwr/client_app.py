@@ -65,14 +65,27 @@ def running_in_simulation() -> bool:
     return ray.get_runtime_context().get_actor_id() is not None
 
 
+class SiloSettingsError(RuntimeError):
+    """The silo's own settings (node config, its schema file) cannot be used: the details
+    name its files, so they stay in its log."""
+
+
 def _open_silo(context: Context) -> Silo:
+    """The silo for this message; the run config is checked first (its errors are the
+    server's own values, so they are answered in full), then the silo's own settings and
+    (deployed) its pinned schema, all before any record is read."""
     simulated = running_in_simulation()
     experiment = parse_run_config(context.run_config)
-    silo = parse_node_config(context.node_config)
     record = context.state.config_records.get(_STATE)
-    return Silo(silo, experiment, context.run_id,
-                str(record["ledger"]) if record is not None else None,
-                trust_run_config=simulated, own_process=not simulated)
+    try:
+        silo = parse_node_config(context.node_config)
+        return Silo(silo, experiment, context.run_id,
+                    str(record["ledger"]) if record is not None else None,
+                    trust_run_config=simulated, own_process=not simulated)
+    except BadRequest:  # the run's schema is not the pinned one: a reason of two schemas
+        raise
+    except ConfigError as exc:
+        raise SiloSettingsError(str(exc)) from None
 
 
 def _remember_rounds(context: Context, request: TrainRequest) -> None:
@@ -101,14 +114,35 @@ def _remember_ledger(context: Context, silo: Silo) -> None:
     context.state[_STATE] = ConfigRecord({"ledger": silo.ledger.to_json()})
 
 
+#: What a refusal that is not the message's fault says, by what failed. Fixed texts: the
+#: details (paths, file and column names, values, rows) are the silo's and stay in its log
+#: (docs/threat-model.md#what-a-message-can-learn).
+FAILURE_REASONS: dict[type[BaseException], str] = {
+    SiloSettingsError: "the silo's own settings (node config, schema file) cannot be used; "
+                       "its operator finds why in its log",
+    DataError: "the silo's records cannot be read under its schema; its operator finds why in "
+               "its log",
+    Exception: "the silo failed on this message; its operator finds why in its log",
+}
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The fixed reason a failure of kind ``exc`` is answered with."""
+    return next(text for kind, text in FAILURE_REASONS.items() if isinstance(exc, kind))
+
+
 def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context],
                                                                           Message]:
-    """Turn a silo's refusals and failures into Error replies the server can log."""
+    """Turn a silo's refusals and failures into Error replies the server can log. Refusals of
+    the message (its fields, its run config, the budget) say why; any other failure, a
+    plug-in's included, is answered with a fixed reason of its kind, its details logged
+    here only: nothing is released and nothing more is charged."""
 
     def wrapped(message: Message, context: Context) -> Message:
         deployed = not running_in_simulation()
         if deployed:
             message_started()
+        kind = message.metadata.message_type
         try:
             return handler(message, context)
         except BudgetExceeded as exc:
@@ -118,11 +152,17 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
             logger.warning("%s", exc)
             return Message(Error(ROUND_REPEATED, str(exc)), reply_to=message)
         except BadRequest as exc:
-            logger.error("silo refuses a %s message: %s", message.metadata.message_type, exc)
+            logger.error("silo refuses a %s message: %s", kind, exc)
             return Message(Error(BAD_REQUEST, str(exc)), reply_to=message)
-        except (ConfigError, DataError, ValueError) as exc:
-            logger.error("silo cannot run %s: %s", message.metadata.message_type, exc)
-            return Message(Error(SILO_FAILED, f"{type(exc).__name__}: {exc}"), reply_to=message)
+        except ConfigError as exc:  # the run config (or the model it names) cannot run here
+            logger.error("silo cannot run %s: %s", kind, exc)
+            return Message(Error(SILO_FAILED, f"ConfigError: {exc}"), reply_to=message)
+        except (SiloSettingsError, DataError) as exc:
+            logger.error("silo cannot run %s: %s", kind, exc)
+            return Message(Error(SILO_FAILED, failure_reason(exc)), reply_to=message)
+        except Exception as exc:  # noqa: BLE001 - a plug-in may raise anything
+            logger.exception("silo failed on a %s message", kind)
+            return Message(Error(SILO_FAILED, failure_reason(exc)), reply_to=message)
         finally:
             if deployed:
                 # a deployed silo answers for one partition, whose records it caches

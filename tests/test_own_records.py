@@ -12,7 +12,7 @@ import pytest
 from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.data import DataError
 from dpcfl_flwr.data.arrays import load_arrays
-from dpcfl_flwr.protocol import SILO_FAILED
+from dpcfl_flwr.protocol import BAD_REQUEST, SILO_FAILED
 from dpcfl_flwr.silo.silo import records_problem
 from tests.test_malicious_server import (
     Attacker,
@@ -30,8 +30,16 @@ def _export(data, path: Path) -> Path:
     return path
 
 
+#: The federation's schema of the benchmark's records, as a silo pins it.
+SCHEMA = 'input-shape = "1,28,28"\nnum-classes = 10\n'
+
+
 def _arrays_node(tmp_path: Path, path: Path, **extra) -> dict:
-    node = _node_config(tmp_path, **{"data-source": "arrays", "data-path": str(path), **extra})
+    """A deployed silo reading ``path`` under its pinned schema (:data:`SCHEMA`)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "schema.toml").write_text(SCHEMA)
+    node = _node_config(tmp_path, **{"data-source": "arrays", "data-path": str(path),
+                                     "schema-file": str(tmp_path / "schema.toml"), **extra})
     for key in ("clusters", "samples-per-client", "test-samples", "val-fraction"):
         node.pop(key)
     return node
@@ -93,24 +101,31 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, make, words):
     assert "\n" not in str(caught.value) and "r.npz" in str(caught.value)
 
 
-@pytest.mark.parametrize(("records", "run", "words"), [
-    (lambda rng: (rng.normal(size=(60, 3, 32, 32)), rng.integers(0, 10, 60)), {},
+@pytest.mark.parametrize(("records", "words"), [
+    (lambda rng: (rng.normal(size=(60, 3, 32, 32)), rng.integers(0, 10, 60)),
      "shape (3, 32, 32), the federation's schema says (1, 28, 28)"),
-    (lambda rng: (rng.normal(size=(60, 1, 28, 28)), rng.integers(0, 12, 60)), {},
+    (lambda rng: (rng.normal(size=(60, 1, 28, 28)), rng.integers(0, 12, 60)),
      "labels outside the schema's 10 classes"),
-    (lambda rng: (rng.normal(size=(60, 1, 28, 28)), rng.integers(0, 10, 60)),
-     {"input-shape": "3,32,32", "model": "resnet18"}, "the federation's schema says (3, 32, 32)"),
 ])
 def test_records_that_do_not_fit_the_schema_are_refused_before_any_charge(
-        tmp_path, server_task_identity, records, run, words):
+        tmp_path, server_task_identity, caplog, records, words):
     x, y = records(np.random.default_rng(2))
     np.savez(tmp_path / "mine.npz", x=x.astype(np.float32), y=y)
-    attacker = Attacker(tmp_path, _arrays_node(tmp_path, tmp_path / "mine.npz"),
-                        _run_config(tmp_path, **run))
+    attacker = Attacker(tmp_path, _arrays_node(tmp_path, tmp_path / "mine.npz"))
     reply = attacker.train(1, cluster=-2)
-    _refused(reply, SILO_FAILED, words, "silo 1: records")
-    assert "\n" not in reply.error.reason
+    _refused(reply, SILO_FAILED, "the silo's records cannot be read under its schema")
+    assert "mine.npz" not in reply.error.reason and "shape" not in reply.error.reason
+    assert words in caplog.text and "mine.npz" in caplog.text  # the operator's log says why
     assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+
+
+def test_a_run_with_another_schema_is_refused_before_any_record_is_read(
+        tmp_path, server_task_identity):
+    attacker = Attacker(tmp_path, _arrays_node(tmp_path, tmp_path / "absent.npz"),
+                        _run_config(tmp_path, **{"input-shape": "3,32,32", "model": "resnet18"}))
+    reply = attacker.query()  # its records do not even exist: none is read
+    _refused(reply, BAD_REQUEST, "schema key input-shape differs from this silo's pinned")
+    assert not attacker.ledger_path.exists()
 
 
 def test_dpcfl_client_checks_the_records_before_it_joins(tmp_path):

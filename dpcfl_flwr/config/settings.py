@@ -456,6 +456,15 @@ class SiloConfig(ConfigModel):
     # run at most 250: N = 8000, b = 32, one local epoch)
     max_candidates: int = Field(16, ge=1)
     max_round_steps: int = Field(10_000, ge=1)
+    # what one run config may make the silo build, checked before its model exists
+    # (docs/threat-model.md#work-per-message): the model's tensors (values), its classes, the
+    # physical batch of per-sample gradients (records), and a round's estimated peak of model
+    # and training memory beyond the process's own and its records' (MiB). The paper's
+    # ResNet-18 has 11.2 M values and its rounds estimate at ~0.9 GiB.
+    max_model_parameters: int = Field(50_000_000, ge=1)
+    max_classes: int = Field(10_000, ge=2)
+    max_physical_batch: int = Field(4096, ge=1)
+    max_round_memory: int = Field(4096, ge=1)
     # whether replies carry the handler's CPU seconds: a timing that follows the number of
     # records Poisson sampling drew, so off in deployment unless the silo opts in; unset:
     # on in simulation (one operator), off in deployment

@@ -92,7 +92,7 @@ def load_table(request: SourceRequest) -> ClientData:
     split_column = str(request.options.get("split-column") or "")
     ignored = {c.strip() for c in str(request.options.get("ignore-columns") or "").split(",")
                if c.strip()}
-    columns = _used_columns(schema, split_column, path)
+    columns = _used_columns(schema, split_column, path, ignored)
     files = _table_files(path)
     budget = records_memory(request)
     features: list[np.ndarray] = []
@@ -129,8 +129,11 @@ def load_table(request: SourceRequest) -> ClientData:
     return client_data(request.client_id, parts, path)
 
 
-def _used_columns(schema: Schema, split_column: str, path: Path) -> list[str]:
-    """The columns read: the features in order, the label, the split column (if any)."""
+def _used_columns(schema: Schema, split_column: str, path: Path, ignored: set[str]
+                  ) -> list[str]:
+    """The columns read: the features in order, the label, the split column (if any). A
+    column the silo's ``ignore-columns`` lists is never one of them: the silo said it is not
+    for training (an identifier, say), whatever a schema says."""
     if not schema.features:
         raise DataError(f"{path}: the table source needs the federation's schema to list the "
                         "features (run-config key features)")
@@ -140,6 +143,10 @@ def _used_columns(schema: Schema, split_column: str, path: Path) -> list[str]:
             raise DataError(f"{path}: the {role} column {column!r} is also listed as a feature")
     if split_column == schema.label:
         raise DataError(f"{path}: the split column {split_column!r} is the label column")
+    used = sorted(ignored & {*names, schema.label, split_column})
+    if used:
+        raise DataError(f"{path}: column {used[0]!r} is in the silo's ignore-columns but the "
+                        "schema uses it as a feature or the label")
     return names + [schema.label] + ([split_column] if split_column else [])
 
 

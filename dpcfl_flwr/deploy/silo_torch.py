@@ -100,12 +100,14 @@ def _start_answers(settings_json: str) -> str:
 
 
 def _records_check(settings: SiloConfig) -> list[str]:
-    from ..config.config_file import load_schema
+    """Why the silo's records fail under its pinned schema (the one every run of it must
+    use, :mod:`dpcfl_flwr.silo.schema_pin`), in full: this is the operator's terminal."""
     from ..config.validation import ConfigError
+    from ..silo.schema_pin import pinned_schema
     from ..silo.silo import records_problem
 
     try:
-        schema = load_schema(settings.schema_file) if settings.schema_file else None
+        schema = pinned_schema(settings)
     except ConfigError as exc:
         return [str(exc)]
     return [problem for problem in [records_problem(settings, schema)] if problem]

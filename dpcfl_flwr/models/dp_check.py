@@ -67,7 +67,12 @@ def dp_trainable(model: nn.Module, name: str, fix: bool) -> nn.Module:
         raise ConfigError(f"model {name!r} cannot be trained with DP-SGD: Opacus refuses "
                           f"{', '.join(layers)}; set model-fix = true to let Opacus replace "
                           "them (BatchNorm becomes GroupNorm)")
-    fixed = ModuleValidator.fix(model)
+    try:
+        fixed = ModuleValidator.fix(model)
+    except Exception as exc:  # Opacus' fixers raise what their layer's code raises
+        first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+        raise ConfigError(f"model {name!r}: model-fix failed on {', '.join(layers)} "
+                          f"({type(exc).__name__}: {first})") from None
     fixed.train()
     remaining = ModuleValidator.validate(fixed, strict=False)
     if remaining:

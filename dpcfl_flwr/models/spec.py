@@ -46,6 +46,14 @@ def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
     return model
 
 
+def build_on_meta(spec: ModelSpec) -> nn.Module:
+    """The model with every tensor on PyTorch's meta device: its names, shapes and forward
+    pass without memory for its values, so its size can be known before it is built (a
+    plug-in whose builder cannot run there raises; ConfigError as :func:`build`)."""
+    with torch.device("meta"):
+        return build(spec)
+
+
 def initial_state(spec: ModelSpec, seed: int, weights: str = "") -> dict[str, torch.Tensor]:
     """theta_init: the seeded model's state, or (``weights``, a file path) the file's tensors,
     checked against it."""
@@ -59,4 +67,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["ModelSpec", "build", "count_parameters", "initial_state"]
+__all__ = ["ModelSpec", "build", "build_on_meta", "count_parameters", "initial_state"]

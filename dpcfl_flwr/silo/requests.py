@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from flwr.app import Message
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..privacy.defaults import UNNAMED_ACCOUNTANT, AccountantName, BudgetMode, Conversion
@@ -77,6 +77,17 @@ class TrainRequest(_Request):
     @classmethod
     def _valid_batch(cls, value: Any) -> str:
         return _batch(value)
+
+    @model_validator(mode="after")
+    def _contracting_prox(self) -> TrainRequest:
+        # MR-MTL's step moves theta - anchor to (1 - lr lambda)(theta - anchor) - lr g: with
+        # lr lambda >= 2 that factor is <= -1, so the distance never shrinks and (above 2)
+        # grows every step: a round that must end in overflow, not one worth a charge
+        if self.learning_rate * self.prox_lambda >= 2.0:
+            raise ValueError(f"'learning-rate' x 'prox-lambda' = "
+                             f"{self.learning_rate * self.prox_lambda:g} must stay below 2, "
+                             "else the proximal step diverges")
+        return self
 
     @property
     def batch(self) -> int | Literal["full"]:

@@ -37,7 +37,7 @@ from ..dpsgd.training import (
     secure_generator,
     train_dp,
 )
-from ..models import ModelSpec, build
+from ..models import ModelSpec, build, build_on_meta
 from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
 from ..privacy.budget import plan_noise
 from ..privacy.history import UNNAMED_ACCOUNTANT, History
@@ -53,7 +53,9 @@ from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
 from ..privacy.schedule import Schedule, steps_per_round, two_stage_schedule
 from ..privacy.selection import accuracy_sensitivity, select_cluster
 from ..runs.heap import give_back_freed_memory
+from .limits import refuse_beyond_limits
 from .requests import BadRequest
+from .schema_pin import pinned_schema, refuse_other_schema
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,13 @@ class Silo:
                  state_ledger: str | None = None, trust_run_config: bool = False,
                  own_process: bool = False) -> None:
         self.silo = silo.resolved(experiment, trust_run_config)
+        #: the schema its records are read under: deployed, its pinned one, and a run with
+        #: another is refused before any record is read (:mod:`.schema_pin`)
+        self.schema = experiment.data_schema
+        if not trust_run_config:
+            self.schema = pinned_schema(self.silo)
+            refuse_other_schema(self.schema, experiment.data_schema)
+        refuse_beyond_limits(experiment.model_spec, experiment.physical_batch_size, self.silo)
         # a deployed silo's process is its own: what its accountant freed can go back to the
         # system (:meth:`check`); a simulation's worker serves silo after silo
         self._own_process = own_process
@@ -171,9 +180,9 @@ class Silo:
     # --- identity and data ----------------------------------------------------------------
     @functools.cached_property
     def data(self) -> ClientData:
-        """The silo's records, checked against the federation's schema (DataError naming
-        what differs, before anything is trained or charged)."""
-        schema = self.experiment.data_schema
+        """The silo's records, checked against its schema (DataError naming what differs,
+        before anything is trained or charged; its text stays on the silo)."""
+        schema = self.schema
         try:
             data = client_records(self.silo, schema)
         except DataError as exc:
@@ -516,6 +525,10 @@ _ENGINES_LOGGED: set[tuple[int, int]] = set()
 
 @functools.lru_cache(maxsize=4)
 def _template(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    # Built once per process (a warm runtime answers every round of its silo); meta tensors
-    # keep names, shapes and dtypes without holding a second copy of the weights.
-    return {k: v.detach().to("meta") for k, v in build(spec).state_dict().items()}
+    # Built once per process (a warm runtime answers every round of its silo) on the meta
+    # device: names, shapes and dtypes without memory for the weights
+    try:
+        model = build_on_meta(spec)
+    except Exception:  # noqa: BLE001 - a plug-in that cannot run there is built for real
+        model = build(spec)
+    return {k: v.detach().to("meta") for k, v in model.state_dict().items()}
