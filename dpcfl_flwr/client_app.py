@@ -43,7 +43,7 @@ from .protocol import (
 from .runs.heap import after_reply, message_answered, message_started
 from .silo.requests import BadRequest, EvaluateRequest, TrainRequest, parse_request
 from .silo.round import evaluate_round, train_round
-from .silo.silo import BudgetExceeded, RoundRepeated, Silo
+from .silo.silo import BudgetExceeded, RoundRepeated, Silo, SiloSettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -65,27 +65,20 @@ def running_in_simulation() -> bool:
     return ray.get_runtime_context().get_actor_id() is not None
 
 
-class SiloSettingsError(RuntimeError):
-    """The silo's own settings (node config, its schema file) cannot be used: the details
-    name its files, so they stay in its log."""
-
-
 def _open_silo(context: Context) -> Silo:
     """The silo for this message; the run config is checked first (its errors are the
     server's own values, so they are answered in full), then the silo's own settings and
     (deployed) its pinned schema, all before any record is read."""
     simulated = running_in_simulation()
     experiment = parse_run_config(context.run_config)
-    record = context.state.config_records.get(_STATE)
     try:
-        silo = parse_node_config(context.node_config)
-        return Silo(silo, experiment, context.run_id,
-                    str(record["ledger"]) if record is not None else None,
-                    trust_run_config=simulated, own_process=not simulated)
-    except BadRequest:  # the run's schema is not the pinned one: a reason of two schemas
-        raise
+        node = parse_node_config(context.node_config)
     except ConfigError as exc:
         raise SiloSettingsError(str(exc)) from None
+    record = context.state.config_records.get(_STATE)
+    return Silo(node, experiment, context.run_id,
+                str(record["ledger"]) if record is not None else None,
+                trust_run_config=simulated, own_process=not simulated)
 
 
 def _remember_rounds(context: Context, request: TrainRequest) -> None:

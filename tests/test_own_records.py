@@ -34,10 +34,10 @@ def _export(data, path: Path) -> Path:
 SCHEMA = 'input-shape = "1,28,28"\nnum-classes = 10\n'
 
 
-def _arrays_node(tmp_path: Path, path: Path, **extra) -> dict:
-    """A deployed silo reading ``path`` under its pinned schema (:data:`SCHEMA`)."""
+def _arrays_node(tmp_path: Path, path: Path, schema: str = SCHEMA, **extra) -> dict:
+    """A deployed silo reading ``path`` under its pinned ``schema`` (a schema file's text)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "schema.toml").write_text(SCHEMA)
+    (tmp_path / "schema.toml").write_text(schema)
     node = _node_config(tmp_path, **{"data-source": "arrays", "data-path": str(path),
                                      "schema-file": str(tmp_path / "schema.toml"), **extra})
     for key in ("clusters", "samples-per-client", "test-samples", "val-fraction"):

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..config.settings import ExperimentConfig, SiloConfig
+from ..config.settings import ConfigError, ExperimentConfig, SiloConfig
 from ..data import ClientData, DataError
 from ..data.arrays import check_schema
 from ..data.schema import Schema
@@ -67,6 +67,11 @@ MAX_PLANS = 64
 
 class BudgetExceeded(RuntimeError):
     """The silo refuses a round: running it would spend more than its budget."""
+
+
+class SiloSettingsError(RuntimeError):
+    """The silo's own settings (node config, its schema file) cannot be used. The details name
+    its files, so they stay in its log: the server learns only that this silo cannot run."""
 
 
 class RoundRepeated(RuntimeError):
@@ -156,12 +161,15 @@ class Silo:
     def __init__(self, silo: SiloConfig, experiment: ExperimentConfig, run_id: int,
                  state_ledger: str | None = None, trust_run_config: bool = False,
                  own_process: bool = False) -> None:
-        self.silo = silo.resolved(experiment, trust_run_config)
-        #: the schema its records are read under: deployed, its pinned one, and a run with
-        #: another is refused before any record is read (:mod:`.schema_pin`)
-        self.schema = experiment.data_schema
+        try:
+            self.silo = silo.resolved(experiment, trust_run_config)
+            #: the schema its records are read under: deployed, its pinned one, and a run
+            #: with another is refused before any record is read (:mod:`.schema_pin`)
+            self.schema = (experiment.data_schema if trust_run_config
+                           else pinned_schema(self.silo))
+        except ConfigError as exc:
+            raise SiloSettingsError(str(exc)) from None
         if not trust_run_config:
-            self.schema = pinned_schema(self.silo)
             refuse_other_schema(self.schema, experiment.data_schema)
         refuse_beyond_limits(experiment.model_spec, experiment.physical_batch_size, self.silo)
         # a deployed silo's process is its own: what its accountant freed can go back to the
