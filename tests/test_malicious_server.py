@@ -549,6 +549,16 @@ def test_a_round_beyond_the_silo_step_limit_is_refused(tmp_path, server_task_ide
              "'batch-size' = 8 asks 10")
 
 
+def test_a_proximal_step_that_must_diverge_is_refused(tmp_path, server_task_identity):
+    """MR-MTL's step scales theta - anchor by 1 - lr lambda: at lr lambda >= 2 it never
+    shrinks, so the round would release (and charge) an overflowing update."""
+    attacker = Attacker(tmp_path)
+    reply = attacker.train(1, cluster=-2, **{"learning-rate": 0.5, "prox-lambda": 5.0})
+    _refused(reply, BAD_REQUEST, "'learning-rate' x 'prox-lambda' = 2.5 must stay below 2")
+    assert not attacker.ledger_path.exists()
+    assert not attacker.train(1, cluster=-2, **{"prox-lambda": 5.0}).has_error()  # lr 0.05
+
+
 def test_refused_messages_store_no_plan(tmp_path, server_task_identity):
     """200 messages under fresh run keys, each with a malformed model: nothing calibrated,
     nothing stored, the ledger's bytes unchanged."""

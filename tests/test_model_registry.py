@@ -22,7 +22,7 @@ from dpcfl_flwr.dpsgd.per_sample import engine_name, layerwise_supported
 from dpcfl_flwr.models import ModelSpec, build, count_parameters, initial_state, model_names
 from dpcfl_flwr.protocol import SILO_FAILED
 from dpcfl_flwr.server_app import initial_arrays
-from tests.test_malicious_server import Attacker, _refused
+from tests.test_malicious_server import Attacker, _refused, _run_config
 
 
 def _error(raw: dict) -> str:
@@ -137,6 +137,27 @@ def batch_normed(num_classes: int, input_shape: tuple[int, ...], params: Params)
 
 def not_a_module(num_classes: int, input_shape: tuple[int, ...], params: Params) -> str:
     return "a string"
+
+
+class FailsOnBatches(nn.Module):
+    def __init__(self, inputs: int, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(inputs, num_classes)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            raise RuntimeError("kernel failed")
+        return self.linear(x.flatten(1))
+
+
+def fails_in_training(num_classes: int, input_shape: tuple[int, ...], params: Params):
+    return FailsOnBatches(math.prod(input_shape), num_classes)
+
+
+def instance_normed(num_classes: int, input_shape: tuple[int, ...], params: Params):
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), norm, nn.Flatten(),
+                         nn.Linear(4 * 26 * 26, num_classes))
 '''
 
 ENTRY_POINTS = """
@@ -147,6 +168,8 @@ toy-broken = toyplug:broken
 toy-bn = toyplug:batch_normed
 toy-string = toyplug:not_a_module
 toy-missing = toyplug_absent:build
+toy-fails = toyplug:fails_in_training
+toy-in = toyplug:instance_normed
 """
 
 
@@ -213,6 +236,17 @@ def test_a_silo_that_cannot_build_the_runs_model_refuses_with_the_reason(
     for reply in replies:
         _refused(reply, SILO_FAILED, words)
         assert "\n" not in reply.error.reason
+    assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+
+
+@pytest.mark.parametrize("run", [{"model": "toy-fails"}, {"model": "toy-in", "model-fix": True}])
+def test_whatever_a_plugin_raises_is_answered_with_nothing_released_or_charged(
+        tmp_path, server_task_identity, plugin, caplog, run):
+    attacker = Attacker(tmp_path, run=_run_config(tmp_path, **run))
+    for reply in (attacker.train(1, cluster=-2), attacker.evaluate(1)):
+        _refused(reply, SILO_FAILED, "the silo failed on this message")
+        assert not reply.has_content()  # nothing released
+    assert "RuntimeError" in caplog.text  # the operator's log has the traceback
     assert not attacker.ledger_path.exists() or not attacker.ledger().entries
 
 
