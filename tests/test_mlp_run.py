@@ -39,7 +39,9 @@ def _records(path: Path, seed: int, rule: np.ndarray) -> Path:
 
 
 def _silo(tmp_path: Path, partition: int, run_config: dict, rule: np.ndarray) -> Context:
-    node = {"partition-id": partition, "epsilon": 8.0, "delta": 1e-4,
+    schema = tmp_path / "schema.toml"  # the federation's, pinned by every silo
+    schema.write_text(f'input-shape = "{FEATURES}"\nnum-classes = {CLASSES}\n')
+    node = {"partition-id": partition, "epsilon": 8.0, "delta": 1e-4, "schema-file": str(schema),
             "ledger-path": str(tmp_path / f"silo-{partition}" / "ledger.json"),
             "data-source": "arrays", "data-seed": partition, "metrics": "exact",
             "data-path": str(_records(tmp_path / f"silo-{partition}.npz", partition, rule))}

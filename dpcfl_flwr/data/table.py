@@ -143,7 +143,7 @@ def _used_columns(schema: Schema, split_column: str, path: Path, ignored: set[st
             raise DataError(f"{path}: the {role} column {column!r} is also listed as a feature")
     if split_column == schema.label:
         raise DataError(f"{path}: the split column {split_column!r} is the label column")
-    used = sorted(ignored & {*names, schema.label, split_column})
+    used = sorted(ignored & {*names, schema.label})
     if used:
         raise DataError(f"{path}: column {used[0]!r} is in the silo's ignore-columns but the "
                         "schema uses it as a feature or the label")
