@@ -109,7 +109,7 @@ def _remember_ledger(context: Context, silo: Silo) -> None:
 
 #: What a refusal that is not the message's fault says, by what failed. Fixed texts: the
 #: details (paths, file and column names, values, rows) are the silo's and stay in its log
-#: (docs/threat-model.md#what-a-message-can-learn).
+#: (docs/threat-model.md#what-a-message-can-learn-about-a-silos-records).
 FAILURE_REASONS: dict[type[BaseException], str] = {
     SiloSettingsError: "the silo's own settings (node config, schema file) cannot be used; "
                        "its operator finds why in its log",

@@ -35,6 +35,10 @@ metrics-noise = 10.0
 report-cpu-seconds = false                  # timing follows the Poisson sample: opt-in only
 max-candidates = 16                         # what one message may make it do (refused beyond)
 max-round-steps = 10000
+max-model-parameters = 50000000             # what one run config may make it build
+max-classes = 10000
+max-physical-batch = 4096
+max-round-memory = 4096                     # MiB, a round's estimated peak
 threads = 1
 device = "cpu"
 ```
