@@ -8,8 +8,9 @@ lower) and learn from accept / refuse whether some record holds that detail, for
 often as it likes. So a deployed silo pins its schema (``schema-file`` in its silo file; a
 benchmark silo's is its dataset's default), checks its records against it when it starts, and
 refuses any run whose schema differs from the pinned one *before any record is read*, with a
-reason that depends on the two schemas alone (docs/threat-model.md#what-a-message-can-learn-about-a-silos-records).
-In simulation one operator writes both, so the run config's schema is used.
+reason that depends on the two schemas alone
+(docs/threat-model.md#what-a-message-can-learn-about-a-silos-records). In simulation one
+operator writes both, so the run config's schema is used.
 """
 
 from __future__ import annotations
