@@ -13,7 +13,7 @@ import json
 from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import click
 import typer
@@ -25,6 +25,9 @@ from typer.core import TyperCommand, TyperGroup
 from .data import DataError
 from .privacy.defaults import DEFAULT_ACCOUNTANT, DEFAULT_BUDGET_MODE, DEFAULT_CONVERSION
 from .privacy.schedule import FULL_BATCH, two_stage_schedule
+
+if TYPE_CHECKING:
+    from .config.settings import ExperimentConfig
 
 
 def _add_attack(typer_app: typer.Typer) -> None:
@@ -285,6 +288,15 @@ def _one_ray(cpus: int, ray_address: str | None) -> None:
     probe(ray_address)
 
 
+def _records_title(experiment: ExperimentConfig) -> str:
+    """What a simulation trains on, as its title says it: the benchmark and its shift, or
+    the silos' own records and their source."""
+    if experiment.data_source == "benchmark":
+        return f"{experiment.dataset} ({experiment.shift}, clusters {experiment.clusters})"
+    return (f"the silos' own records ({experiment.data_source}, "
+            f"{experiment.topology.num_clients} silos)")
+
+
 @app.command("simulate")
 def simulate(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
@@ -320,9 +332,9 @@ def simulate(
         return
     out_dir = Path(experiment.out_dir)
     _configure_logging(verbose, round_lines=quiet)
-    console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {experiment.dataset} "
-                  f"({experiment.shift}, clusters {experiment.clusters}), "
-                  f"E={experiment.num_server_rounds}, eps={experiment.epsilon:g} -> {out_dir}")
+    console.print(f"[bold]dpcfl simulate[/]: {experiment.method} on {_records_title(experiment)}"
+                  f", E={experiment.num_server_rounds}, eps={experiment.epsilon:g} -> {out_dir}",
+                  highlight=False)
     follower = None if quiet else ProgressFollower(out_dir, experiment.num_server_rounds,
                                                    console)
     if follower is not None:

@@ -227,6 +227,19 @@ def test_dpcfl_client_checks_records_against_its_schema_file_before_it_joins(tmp
     assert result.returncode == 2
     assert "labels outside the schema's 3 classes (0..2)" in " ".join(
         (result.stdout + result.stderr).split())
+    # records that fit: the plan says what the silo trains on, its source, file and schema
+    np.savez(tmp_path / "records.npz", x=np.zeros((20, 5), np.float32), y=np.arange(20) % 3)
+    fits = _dpcfl("client", "silo.toml", "--dry-run", cwd=tmp_path)
+    plan = " ".join(fits.stdout.split())
+    assert fits.returncode == 0, fits.stderr
+    assert f"own records (arrays) at {tmp_path / 'records.npz'}, pinned schema" in plan
+    assert "fmnist" not in plan
+    # without its schema file, a silo on its own records does not start
+    (tmp_path / "silo.toml").write_text((tmp_path / "silo.toml").read_text().replace(
+        'schema-file = "schema.toml"', ""))
+    unpinned = _dpcfl("client", "silo.toml", "--dry-run", cwd=tmp_path)
+    assert unpinned.returncode == 2 and "set schema-file" in " ".join(
+        (unpinned.stdout + unpinned.stderr).split())
 
 
 @pytest.mark.slow

@@ -63,19 +63,21 @@ class SiloWithSpentBudget(ScriptedSilo):
         return reply
 
 
-def _run(tmp_path, silos: dict[int, type[ScriptedSilo]], rounds: int = 4
+def _run(tmp_path, silos: dict[int, type[ScriptedSilo]], rounds: int = 4,
+         default: type[ScriptedSilo] | None = None, **run: object
          ) -> tuple[dict, dict[str, str]]:
-    """A run of ``rounds`` (evaluated every 2) with the given silo kinds (the others train
-    with z = USUAL_Z): its results and its summary table's rows."""
+    """A run of ``rounds`` (evaluated every 2) with the given silo kinds (the others
+    ``default``'s, else training with z = USUAL_Z): its results and its summary table's
+    rows."""
     experiment = parse_run_config({"method": "global", "clusters": "2,3,3",
                                    "num-server-rounds": rounds, "eval-every": 2,
-                                   "out-dir": str(tmp_path)})
+                                   "out-dir": str(tmp_path), **run})
     initial = initial_arrays(experiment)
     recorder = RunRecorder(tmp_path, experiment)
     strategy = build_strategy(experiment, initial, observer=recorder)
     layout = ModelLayout.of(initial)
     centres = np.random.default_rng(0).normal(0, 1, (3, layout.size)).astype(np.float32)
-    grid = GridDouble({NODE + p: silos.get(p, SiloWithUsualNoise)(p, layout, centres)
+    grid = GridDouble({NODE + p: silos.get(p, default or SiloWithUsualNoise)(p, layout, centres)
                        for p in range(len(TRUTH))})
     strategy.discover(grid, len(TRUTH), 1)
     strategy.start(grid, initial, rounds, timeout=10)
@@ -163,6 +165,30 @@ def test_equal_clusters_have_no_minority_in_the_summary(server_task_identity, tm
     table = _rows(results)
     assert table["minority accuracy"] == "none (no cluster smaller than the others)"
     assert "majority accuracy" not in table
+
+
+class SiloOfAnUnknownGroup(SiloWithUsualNoise):
+    """A silo on its own records whose operator set no true-cluster."""
+
+    def __call__(self, message: Message) -> Message:
+        reply = super().__call__(message)
+        if message.metadata.message_type == "query":
+            reply.content[SILO]["true-cluster"] = -1
+        return reply
+
+
+def test_unknown_true_groups_get_no_ari_or_structure_verdict(server_task_identity, tmp_path):
+    """Where the true groups are unknown, an ARI against them would read as 'no structure
+    found'; the results and the table say the groups are unknown instead."""
+    known, _ = _run(tmp_path / "known", {}, 2, None, method="rdpcfl",
+                    **{"rdpcfl.n-clusters": 3})
+    assert {"ari", "final_ari", "found_structure"} <= set(known["clustering"])
+    results, table = _run(tmp_path / "unknown", {}, 2, SiloOfAnUnknownGroup,
+                          method="rdpcfl", **{"rdpcfl.n-clusters": 3})
+    assert results["clustering"]["n_clusters"] == 3
+    assert not {"ari", "final_ari", "found_structure", "minority_isolated"} & set(
+        results["clustering"])
+    assert table["true groups"].startswith("unknown") and "ARI round 1" not in table
 
 
 def test_a_new_run_never_writes_into_an_earlier_runs_results_directory(tmp_path):

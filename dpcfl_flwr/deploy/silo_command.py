@@ -89,9 +89,11 @@ def client(
              "(docs/own-data.md)."),
     data_path: Path = typer.Option(None, "--data-path",
                                    help="The silo's own records (file or directory)."),
-    schema_file: Path = typer.Option(
+    schema_file: str = typer.Option(
         None, "--schema-file",
-        help="The federation's schema (TOML), to check the records fully before joining."),
+        help="The federation's schema (TOML) the silo pins: its records are checked against "
+             "it before joining, and a run with another schema is refused. Required for own "
+             "records; an empty value leaves it unset (compose passes one per silo)."),
     rejoin_wait: float = typer.Option(
         180.0, "--rejoin-wait", min=0.0,
         help="Seconds to keep retrying while the SuperLink refuses activation because a node "
@@ -118,7 +120,8 @@ def client(
         "test-samples": test_samples, "data-draw": data_draw, "data-seed": data_seed,
         "metrics": metrics, "metrics-noise": metrics_noise, "true-cluster": true_cluster,
         "threads": threads, "device": device, "data-source": data_source,
-        "data-path": absolute(data_path), "schema-file": absolute(schema_file)}.items()
+        "data-path": absolute(data_path),
+        "schema-file": absolute(Path(schema_file)) if schema_file else None}.items()
         if v is not None}
     try:
         silo, node_config = load_silo_file(silo_file, overrides, node)
@@ -151,26 +154,39 @@ def client(
 def _silo_plan(node: SiloConfig, ledger: str) -> dict[str, str]:
     """The plan's rows for a silo's own settings (resolved: as its ClientApp will use them)
     and what its ledger already holds."""
-    topology = node.topology
-    cluster = (node.true_cluster if node.true_cluster >= 0
-               else topology.cluster_of(node.partition_id))
-    test = node.test_samples or "the dataset's default"
     return {
         "budget": f"epsilon={node.epsilon:g}, delta={node.delta:g}, "
                   + ("each run plans to spend what is left" if node.run_epsilon is None
                      else f"each run plans to spend at most {node.run_epsilon:g} of it"),
         "ledger": f"{node.ledger_path} ({ledger})",
-        "records": f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
-                   f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
-                   f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
-                   f"data seed {node.data_seed}" + (f", from {node.data_dir}"
-                                                    if node.data_dir else ""),
+        "records": _records_row(node),
         "metrics reported": f"private (noise multiplier {node.metrics_noise:g}, charged)"
         if node.metrics == "private" else "exact (for a trusted server only)",
         "device / threads": f"{node.device} / {node.threads}",
         "models": f"{_model_pattern(node.ledger_path)}: the model it would use, at every "
                   "evaluation, marked final after the run's last round",
     }
+
+
+def _records_row(node: SiloConfig) -> str:
+    """The plan's records row: the benchmark slice, or the silo's own records, their source,
+    schema and split, as the silo reads them (no count: the check reads them)."""
+    if node.data_source == "benchmark":
+        topology = node.topology
+        cluster = (node.true_cluster if node.true_cluster >= 0
+                   else topology.cluster_of(node.partition_id))
+        test = node.test_samples or "the dataset's default"
+        return (f"{node.dataset} partition {node.partition_id} of topology {{{topology}}} "
+                f"(cluster {cluster}, {node.shift}): {node.samples_per_client} samples, "
+                f"val fraction {node.val_fraction:g}, test {test}, draw {node.data_draw}, "
+                f"data seed {node.data_seed}" + (f", from {node.data_dir}"
+                                                 if node.data_dir else ""))
+    split = (f"split by column {node.split_column!r}" if node.split_column else
+             f"split drawn with data seed {node.data_seed} (test fraction "
+             f"{node.test_fraction:g}, val fraction {node.val_fraction:g})")
+    group = f", true cluster {node.true_cluster}" if node.true_cluster >= 0 else ""
+    return (f"own records ({node.data_source}) at {node.data_path}, pinned schema "
+            f"{node.schema_file or 'none'}; {split}{group}")
 
 
 def _model_pattern(ledger_path: str) -> str:

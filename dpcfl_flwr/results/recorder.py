@@ -196,7 +196,11 @@ class RunRecorder:
 
     def _clustering(self, strategy: ClusteredStrategy, truth: dict[int, int],
                     final: dict[int, int]) -> dict[str, Any]:
+        """The run's clustering, scored against the true groups only where every silo's is
+        known (a silo on its own records without a ``true-cluster`` says -1: an ARI against
+        that would read as "no structure found" where the groups are simply unknown)."""
         block: dict[str, Any] = {"n_clusters": strategy.n_clusters}
+        truth = truth if all(cluster >= 0 for cluster in truth.values()) else {}
         if truth and strategy.discovers_clusters:
             exact, isolated = structure_found(truth, final)
             block.update({"final_ari": adjusted_rand_score(
@@ -234,8 +238,8 @@ def redraw_figures(results: dict[str, Any], out: Path) -> list[Path]:
             np.asarray(clustering["points"]), [truth[p] for p in clustering["partitions"]],
             np.asarray(clustering["means"]), np.asarray(clustering["radii"]),
             out / "projection.png",
-            f"round-1 updates: M={clustering['n_clusters']}, MSS={clustering['mss']:.2f}, "
-            f"ARI={clustering.get('ari', float('nan')):.2f}"))
+            f"round-1 updates: M={clustering['n_clusters']}, MSS={clustering['mss']:.2f}"
+            + (f", ARI={clustering['ari']:.2f}" if "ari" in clustering else "")))
     return figures
 
 

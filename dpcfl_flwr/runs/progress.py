@@ -118,7 +118,10 @@ def summary_table(results: dict[str, Any]) -> Table:
     if stale:
         table.add_row("stale (not in the means)", ", ".join(
             f"silo {p} (round {r})" for p, r in sorted(stale.items(), key=lambda i: int(i[0]))))
-    if summary.get("minority_cluster") is None:
+    if any(c["true_cluster"] < 0 for c in results["clients"]):
+        table.add_row("true groups", "unknown (own records without true-cluster): no "
+                      "minority or ARI to report")
+    elif summary.get("minority_cluster") is None:
         table.add_row("minority accuracy", "none (no cluster smaller than the others)")
     else:
         table.add_row(f"minority (cluster {summary['minority_cluster']}) accuracy",
