@@ -124,6 +124,15 @@ def failure_reason(exc: BaseException) -> str:
     return next(text for kind, text in FAILURE_REASONS.items() if isinstance(exc, kind))
 
 
+def _failure_text(exc: BaseException, deployed: bool) -> str:
+    """A failure's reply: its fixed reason when deployed; in simulation, where one operator
+    plays the server and every silo, the details themselves, in one line."""
+    if deployed:
+        return failure_reason(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else '(no message)'}"
+
+
 def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context],
                                                                           Message]:
     """Turn a silo's refusals and failures into Error replies the server can log. Refusals of
@@ -152,10 +161,10 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
             return Message(Error(SILO_FAILED, f"ConfigError: {exc}"), reply_to=message)
         except (SiloSettingsError, DataError) as exc:
             logger.error("silo cannot run %s: %s", kind, exc)
-            return Message(Error(SILO_FAILED, failure_reason(exc)), reply_to=message)
+            return Message(Error(SILO_FAILED, _failure_text(exc, deployed)), reply_to=message)
         except Exception as exc:  # noqa: BLE001 - a plug-in may raise anything
             logger.exception("silo failed on a %s message", kind)
-            return Message(Error(SILO_FAILED, failure_reason(exc)), reply_to=message)
+            return Message(Error(SILO_FAILED, _failure_text(exc, deployed)), reply_to=message)
         finally:
             if deployed:
                 # a deployed silo answers for one partition, whose records it caches
