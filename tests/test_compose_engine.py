@@ -7,10 +7,14 @@ pidfile and socket; stopped by its pid whatever happens), builds the Python base
 Debian archive (``docker/base-image.sh``) and the app's image against a package index served
 from this machine (``docker/local-index.sh``), then runs ``docker/up.sh laptop`` with the run
 made small (2 rounds) by a compose override, as a user would change it, and SIGKILLs one
-silo's container process as it starts (a crash: Docker restarts it). It checks the exit code,
-that the crashed silo was restarted and no container is left running, the results directory
-(complete, every silo evaluated, the structure found) and every silo's ledger in its volume
-(charged, within its budget).
+silo's container process as it starts (a crash: Docker restarts it). During the run it looks
+into another silo's container: the only key files there are its own key pair and ``ca.crt``
+(readable by the silo's user), and it can neither find nor read another silo's key, the CA
+key or the SuperLink's; the SuperLink's container holds no private key but its own. It checks
+the exit code, that the crashed silo was restarted and no container is left running, that no
+container but the one-shot ``certs`` mounts the CA key's volume and a silo's key volume is
+mounted by that silo alone, the results directory (complete, every silo evaluated, the
+structure found) and every silo's ledger in its volume (charged, within its budget).
 
 What it keeps between runs, in ``$DPCFL_DOCKER_CACHE`` (default ``/var/cache/dpcfl-docker``): the
 engine's data root (images and build layers), the base image's tarball, the wheels of the local
@@ -41,8 +45,11 @@ from dpcfl_flwr.deploy.docker_engine import (
     MemorySampler,
     build_image,
     compose_project,
+    container_mounts,
     container_state,
+    docker,
     engine_unavailable,
+    exec_in,
     private_engine,
     run_stack,
     volume_ledgers,
@@ -56,6 +63,88 @@ PROJECT = "dpcfl-compose-test"
 SILOS = 7  # the laptop profile's {1,2,2,2}
 SMALL_RUN = ["num-server-rounds=2", "eval-every=2"]
 CRASHED = "laptop-silo-01"  # the silo whose process the test kills as it starts
+OBSERVED = "silo-03"  # the silo whose container (laptop-silo-03) the test looks into
+KEYS = 21  # the node key pairs compose.yaml makes: the cpu profile's silos
+#: How `dpcfl certs` names its files: what a key file found in a container is called.
+KEY_NAMES = ["ca.key", "ca.crt", "server.key", "server.pem", "silo-[0-9][0-9]",
+             "silo-[0-9][0-9].pub"]
+SILO_USER = "10001"  # the image's user (docker/Dockerfile), who runs every service's command
+
+
+def key_files(engine: dict[str, str], container: str) -> set[str]:
+    """Every file in ``container``'s file system (its mounts included) named as ``dpcfl
+    certs`` names its files."""
+    names = [arg for name in KEY_NAMES for arg in ("-o", "-name", name)][1:]
+    found = exec_in(engine, container, "find", "/", "(", "-path", "/proc", "-o", "-path",
+                    "/sys", ")", "-prune", "-o", "-type", "f", "(", *names, ")", "-print")
+    assert found.returncode == 0, f"find in {container}: {found.stderr}"
+    return set(found.stdout.split())
+
+
+def named_volumes(engine: dict[str, str], container: str) -> dict[str, tuple[str, bool]]:
+    """The project's volumes ``container`` mounts: name -> (where, read-write)."""
+    return {str(m["Name"]).removeprefix(f"{PROJECT}_"): (str(m["Destination"]), bool(m["RW"]))
+            for m in container_mounts(engine, container)
+            if m["Type"] == "volume" and str(m["Name"]).startswith(f"{PROJECT}_")}
+
+
+def assert_silo_sees_only_its_own_key(engine: dict[str, str], silo: str) -> None:
+    """In ``silo``'s running container: its key pair and ca.crt, its user's to read, and no
+    other key file anywhere, which also means none can be read."""
+    container = f"{PROJECT}-laptop-{silo}-1"
+    own = {"/certs/ca.crt": "644", f"/certs/nodes/{silo}": "600",
+           f"/certs/nodes/{silo}.pub": "644"}
+    assert key_files(engine, container) == set(own)
+    listing = exec_in(engine, container, "ls", "-lnR", "/certs")
+    print(f"{container}: ls -lnR /certs\n{listing.stdout}")
+    modes = exec_in(engine, container, "stat", "-c", "%n %u %a", *own).stdout.splitlines()
+    assert modes == [f"{path} {SILO_USER} {mode}" for path, mode in own.items()]
+    for path in own:
+        read = exec_in(engine, container, "cat", path, user=SILO_USER)
+        assert read.returncode == 0 and read.stdout, f"{silo} cannot read {path}: {read.stderr}"
+    other = "silo-00" if silo != "silo-00" else "silo-01"
+    for path in ("/certs/ca.key", "/certs/server.key", f"/certs/nodes/{other}"):
+        read = exec_in(engine, container, "cat", path)  # as root: not there at all
+        assert read.returncode != 0 and "No such file" in read.stderr, (path, read)
+    assert named_volumes(engine, container) == {
+        f"{silo}-certs": ("/certs", False), f"laptop-{silo}-ledger": ("/ledgers", True)}
+
+
+def assert_superlink_holds_no_silo_key(engine: dict[str, str], silo: str) -> None:
+    """In the SuperLink's running container: its own certificate and key, ca.crt and the
+    silos' public keys (``silo``'s the same as in that silo's container); no private key of a
+    silo, no CA key."""
+    container = f"{PROJECT}-superlink-1"
+    assert key_files(engine, container) == {
+        "/certs/ca.crt", "/certs/server.pem", "/certs/server.key",
+        *(f"/certs/nodes/silo-{i:02d}.pub" for i in range(KEYS))}
+    public = [exec_in(engine, name, "cat", f"/certs/nodes/{silo}.pub").stdout
+              for name in (container, f"{PROJECT}-laptop-{silo}-1")]
+    assert public[0] and public[0] == public[1]
+
+
+def assert_only_the_cert_maker_holds_private_keys(engine: dict[str, str]) -> None:
+    """Over every container of the stack, run or stopped: the CA key's volume is mounted by
+    the one-shot ``certs`` alone, a silo's key volume by it and that silo, the runner's
+    ``ca-cert`` read-only."""
+    containers = docker_names(engine)
+    holders: dict[str, set[str]] = {}
+    for container in containers:
+        for volume in named_volumes(engine, container):
+            holders.setdefault(volume, set()).add(container.removeprefix(f"{PROJECT}-"))
+    assert holders["certs"] == {"certs-1"}, holders["certs"]
+    assert holders["superlink-certs"] == {"certs-1", "superlink-1"}
+    assert holders["ca-cert"] == {"certs-1", "laptop-serverapp-1"}
+    for i in range(SILOS):
+        assert holders[f"silo-{i:02d}-certs"] == {"certs-1", f"laptop-silo-{i:02d}-1"}
+    assert named_volumes(engine, f"{PROJECT}-laptop-serverapp-1") == {
+        "ca-cert": ("/certs", False)}
+
+
+def docker_names(engine: dict[str, str]) -> list[str]:
+    """The names of every container of the test's compose project."""
+    return docker(engine, "ps", "--all", "--format", "{{.Names}}", "--filter",
+                  f"label=com.docker.compose.project={PROJECT}", timeout=60).stdout.split()
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +187,12 @@ def test_docker_compose_up_runs_the_laptop_profile_to_its_end_on_a_real_engine(
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
+        # What each party can read, looked at while the run goes on.
+        while not container_state(engine, f"{PROJECT}-laptop-{OBSERVED}-1").get("Running"):
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        assert_silo_sees_only_its_own_key(engine, OBSERVED)
+        assert_superlink_holds_no_silo_key(engine, OBSERVED)
         code = up.wait(timeout=1200)
         took = time.monotonic() - started
         sampler.done.set()
@@ -107,6 +202,7 @@ def test_docker_compose_up_runs_the_laptop_profile_to_its_end_on_a_real_engine(
                                  cwd=project, env=engine, capture_output=True, text=True,
                                  timeout=120, check=True).stdout.split()
         assert running == [], "docker/up.sh left containers running"
+        assert_only_the_cert_maker_holds_private_keys(engine)
         ledgers = volume_ledgers(engine, [f"{PROJECT}_laptop-silo-{i:02d}-ledger"
                                           for i in range(SILOS)])
     finally:

@@ -14,13 +14,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dpcfl_flwr.data import Topology
 from dpcfl_flwr.deploy.compose import ComposeOptions, compose_yaml, silo_files
@@ -267,6 +271,91 @@ def test_committed_compose_file_and_silo_files_match_the_generator():
     assert (REPO / "compose.yaml").read_text() == compose_yaml(options)
     for name, text in silo_files(Topology.parse("3,6,6,6")).items():
         assert (REPO / "clients" / f"{name}.toml").read_text() == text
+
+
+def _named_volumes(service: dict) -> dict[str, str]:
+    """A compose service's named volumes (bind mounts left out): name -> where, `:ro` kept."""
+    named = {}
+    for spec in service.get("volumes", []):
+        source, _, target = spec.partition(":")
+        if not source.startswith((".", "/", "$")):
+            named[source] = target
+    return named
+
+
+def test_compose_mounts_each_silo_only_its_own_key_and_the_ca_key_in_the_cert_maker_only():
+    options = ComposeOptions(Topology.parse("3,6,6,6"), Topology.parse("1,2,2,2"))
+    services = yaml.safe_load(compose_yaml(options))["services"]
+    holders = defaultdict(set)
+    for name, service in services.items():
+        for volume in _named_volumes(service):
+            holders[volume].add(name)
+    assert holders["certs"] == {"certs"}  # the CA key, the silos' private keys
+    shares = ["ca-cert", "superlink-certs", *(f"silo-{i:02d}-certs" for i in range(21))]
+    assert _named_volumes(services["certs"]) == {
+        "certs": "/certs", **{share: f"/deliver/{share}" for share in shares}}
+    silos = {name: match[1] for name in services
+             if (match := re.fullmatch(r"(?:gpu-|laptop-)?(silo-\d\d)", name))}
+    assert len(silos) == 21 + 21 + 7
+    for name, silo in silos.items():
+        service = services[name]
+        assert _named_volumes(service) == {f"{silo}-certs": "/certs:ro",
+                                           f"{name}-ledger": "/ledgers"}, name
+        command = service["command"]
+        assert command[command.index("--auth-private-key") + 1] == f"/certs/nodes/{silo}"
+        assert command[command.index("--root-certificates") + 1] == "/certs/ca.crt"
+        assert service["depends_on"]["certs"] == {
+            "condition": "service_completed_successfully"}
+    for i in range(21):  # a silo's key volume: the same party in every profile
+        assert holders[f"silo-{i:02d}-certs"] == {"certs", *(
+            name for name, silo in silos.items() if silo == f"silo-{i:02d}")}
+    assert _named_volumes(services["superlink"]) == {"superlink-certs": "/certs:ro",
+                                                     "superlink-state": "/state"}
+    for runner in ("serverapp", "gpu-serverapp", "laptop-serverapp"):
+        assert _named_volumes(services[runner]) == {"ca-cert": "/certs:ro"}
+
+
+def _run_cert_maker(root: Path, service: dict) -> None:
+    """The ``certs`` service's shell as compose hands it to ``sh -c``, run here: its volumes
+    are directories under ``root``, and the files stay with whoever runs the test."""
+    script = service["entrypoint"][-1].replace("$$", "$")  # compose's escape for `$`
+    script = re.sub(r"HOME=\S+ setpriv( --\S+)+ ", "", script)
+    script = script.replace(" -o dpcfl -g dpcfl", "")
+    script = script.replace("/deliver/", f"{root}/deliver/").replace(" /certs", f" {root}/certs")
+    for volume in _named_volumes(service).values():
+        (root / volume.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # .venv/bin/dpcfl
+    done = subprocess.run(["sh", "-c", script], env={**os.environ, "PATH": path},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def _files(directory: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(f.relative_to(directory)): (f.read_bytes(), f.stat().st_mode & 0o777)
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def test_the_cert_maker_gives_each_party_only_its_share_and_keeps_the_keys(tmp_path):
+    options = ComposeOptions(Topology.parse("3,6,6,6"), Topology.parse("1,2,2,2"))
+    service = yaml.safe_load(compose_yaml(options))["services"]["certs"]
+    _run_cert_maker(tmp_path, service)
+    made = _files(tmp_path / "certs")
+    assert "ca.key" in made
+    delivered = {volume.name: _files(volume) for volume in (tmp_path / "deliver").iterdir()}
+    public = {f"nodes/silo-{i:02d}.pub" for i in range(21)}
+    assert set(delivered["ca-cert"]) == {"ca.crt"}
+    assert set(delivered["superlink-certs"]) == {"ca.crt", "server.pem", "server.key", *public}
+    for i in range(21):
+        silo = f"silo-{i:02d}"
+        assert set(delivered[f"{silo}-certs"]) == {"ca.crt", f"nodes/{silo}", f"nodes/{silo}.pub"}
+    for share in delivered.values():
+        for name, (data, mode) in share.items():
+            assert (data, mode) == made[name], name  # the same bytes, private keys still 0600
+    # started again (`docker compose up` after a stop): the CA and keys are kept
+    _run_cert_maker(tmp_path, service)
+    assert _files(tmp_path / "certs") == made
+    assert {volume.name: _files(volume) for volume in (tmp_path / "deliver").iterdir()} == (
+        delivered)
 
 
 def test_docker_compose_accepts_the_compose_file():

@@ -1,14 +1,24 @@
 """``compose.yaml`` and the silo files, generated from a topology (so they cannot drift).
 
 Services (one image for all of them, ``docker/Dockerfile``):
-- ``superlink``: first ``dpcfl certs --keep`` (the CA, the SuperLink certificate and one node
-  key per silo into the ``certs`` volume, once; later starts keep them and fix a certificate
-  that lacks a name), then ``dpcfl server`` with TLS and node authentication, which registers
-  every silo key; its ServerApp processes write the results to ``./results/compose``;
+- ``certs``: a one-shot container that runs ``dpcfl certs --keep`` (the CA, the SuperLink
+  certificate and one node key pair per silo, made once into its own ``certs`` volume; later
+  starts keep them and fix a certificate that lacks a name) and then hands each party a copy
+  of what it needs, in a volume of that party's own: ``silo-NN-certs`` (``ca.crt`` and the
+  silo's own key pair), ``superlink-certs`` (``ca.crt``, the SuperLink's certificate and key,
+  the silos' public keys) and ``ca-cert`` (``ca.crt``, for the runner). No other container
+  holds the CA key, and none but a silo's own holds its private key: a node key is a silo's
+  identity to the SuperLink, and the CA key could sign a SuperLink certificate that every
+  silo would trust;
+- ``superlink``: ``dpcfl server`` with TLS and node authentication, which registers every
+  silo's public key; its ServerApp processes write the results to ``./results/compose``;
 - ``silo-NN``: ``dpcfl client`` per silo of the topology, each with its own silo file (budget,
-  ledger and data split of its own), node key and ledger volume (its budget survives container
-  restarts);
+  ledger and data split of its own), key volume and ledger volume (its budget survives
+  container restarts);
 - ``serverapp``: submits the run (``dpcfl submit`` = ``flwr run``) once the silos are up.
+
+Inside every container the files keep the paths ``dpcfl certs`` gives them
+(``/certs/ca.crt``, ``/certs/nodes/silo-NN``), so a container sees a subset of one layout.
 
 Profiles: ``cpu`` (the default, set in ``.env``), ``gpu`` (each silo its own GPU, ``cuda``
 torch build), ``laptop`` (a smaller topology).
@@ -31,6 +41,14 @@ API_PORT = 8000
 #: state volume, so the container removes it before anything else: a ready file left by the
 #: previous start made a restarted stack "healthy" before its SuperLink listened.
 READY = "/state/ready"
+#: The cert maker's own volume: the CA key and everything ``dpcfl certs`` made. It keeps the
+#: name of the one volume every container mounted before, so a stack made then keeps its CA
+#: and node keys (its silos stay the keys its SuperLink registered) under this file.
+CERTS_VOLUME = "certs"
+SUPERLINK_CERTS = "superlink-certs"
+CA_CERT = "ca-cert"
+#: Where the cert maker mounts each party's volume: ``/deliver/<volume>``.
+DELIVER = "/deliver"
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,12 @@ class ComposeOptions:
 
 def silo_name(index: int) -> str:
     return f"silo-{index:02d}"
+
+
+def silo_certs(index: int) -> str:
+    """The volume that holds silo ``index``'s key pair and ``ca.crt``, and nothing else; its
+    silo containers of every profile mount it (they are the same party to the SuperLink)."""
+    return f"{silo_name(index)}-certs"
 
 
 def silo_split(experiment: ExperimentConfig, topology: Topology) -> dict[str, object]:
@@ -138,10 +162,12 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
     command:
 {_list(command, 6)}
     volumes:
-      - certs:/certs:ro
+      - {silo_certs(index)}:/certs:ro  # its own key pair and ca.crt, nothing else
       - {service}-ledger:/ledgers
       - ${{{name.upper().replace("-", "_")}_DATA:-./docker/no-data}}:/data:ro
     depends_on:
+      certs:
+        condition: service_completed_successfully
       superlink:
         condition: service_healthy
 '''
@@ -174,13 +200,64 @@ def _runner(profile: str, prefix: str, topology: Topology, silos: list[str]) -> 
     command:
 {_list(command, 6)}
     volumes:
-      - certs:/certs:ro
+      - {CA_CERT}:/certs:ro  # ca.crt only: it checks the SuperLink's certificate
       - ${{DPCFL_RUN_CONFIG_DIR:-./examples}}:/run-config:ro
       - ./results/compose:/results  # the SuperLink's, as it names them: for `submit --resume`
     depends_on:
+      certs:
+        condition: service_completed_successfully
       superlink:
         condition: service_healthy
 {depends}
+'''
+
+
+def _certs_script(keys: int) -> str:
+    """The ``certs`` service's shell: ``dpcfl certs --keep`` as the image's user, then each
+    party's share copied into its volume, mounted at ``/deliver/<volume>``, and given to that
+    user, who reads it in the other containers. Every start copies again, so a key made anew
+    (``dpcfl certs --overwrite`` by hand) reaches its party."""
+    # 127.0.0.1: what key registration and Flower's SuperExec dial inside the SuperLink's
+    # container
+    make = ["dpcfl", "certs", "--out", "/certs", "--san", "superlink", "--san", "localhost",
+            "--san", "127.0.0.1", "--nodes", str(keys), "--keep"]
+    link = f"{DELIVER}/{SUPERLINK_CERTS}"
+    # `$$` is a literal `$` to compose, which would otherwise substitute its own variables
+    return f"""set -eu
+HOME=/home/dpcfl setpriv --reuid=dpcfl --regid=dpcfl --init-groups {shlex.join(make)}
+cd /certs
+give() {{ install -o dpcfl -g dpcfl "$$@"; }}
+give -m 644 ca.crt {DELIVER}/{CA_CERT}/
+give -d {link}/nodes
+give -m 644 ca.crt server.pem {link}/
+give -m 600 server.key {link}/
+for silo in {" ".join(silo_name(i) for i in range(keys))}; do
+  give -m 644 nodes/$$silo.pub {link}/nodes/
+  give -d {DELIVER}/$$silo-certs/nodes
+  give -m 644 ca.crt {DELIVER}/$$silo-certs/
+  give -m 644 nodes/$$silo.pub {DELIVER}/$$silo-certs/nodes/
+  give -m 600 nodes/$$silo {DELIVER}/$$silo-certs/nodes/
+done
+"""
+
+
+def _certs_service(keys: int) -> str:
+    """The one-shot ``certs`` service (module docstring). It runs as root, not through the
+    image's entrypoint, only to give the copies to the image's user: a new volume mounted
+    where the image has no directory belongs to root."""
+    shares = [CA_CERT, SUPERLINK_CERTS, *(silo_certs(i) for i in range(keys))]
+    mounts = "\n".join(f"      - {volume}:{DELIVER}/{volume}" for volume in shares)
+    script = "\n".join(f"        {line}" for line in _certs_script(keys).splitlines())
+    return f'''  certs:
+    <<: *app
+    entrypoint:
+      - sh
+      - -c
+      - |
+{script}
+    volumes:
+      - {CERTS_VOLUME}:/certs  # the CA key: in this container's volume only
+{mounts}
 '''
 
 
@@ -193,11 +270,6 @@ def compose_yaml(options: ComposeOptions) -> str:
                       "--state", "/state", "--ready-file", READY]
     for key in register:
         server_command += ["--register", key]
-    # Made (or checked, when kept) by the SuperLink's container before it starts, not by a
-    # one-shot service: `up --exit-code-from serverapp` would end the stack as that exited.
-    # 127.0.0.1 is what key registration and Flower's SuperExec dial inside the container.
-    certs_command = ["dpcfl", "certs", "--out", "/certs", "--san", "superlink", "--san",
-                     "localhost", "--san", "127.0.0.1", "--nodes", str(keys), "--keep"]
     parts = [f'''# Generated by
 #   dpcfl topology compose --clusters {full} --laptop-clusters {small} --out compose.yaml
 # Tests check that this file equals the generator's output: regenerate it, do not edit it.
@@ -206,7 +278,15 @@ def compose_yaml(options: ComposeOptions) -> str:
 #   docker/up.sh laptop     # {small.num_clients} silos {{{small}}}
 # docker/up.sh starts the stack detached, follows the runner, stops the stack when the run
 # ends and returns the run's exit code; a silo's crash does not stop it (`docker compose up
-# --exit-code-from serverapp` also ends with the run, but any container's exit stops it all).
+# --exit-code-from serverapp` stops everything at any container's exit: the one-shot `certs`
+# service's, below, comes first, so the run would never start).
+# Keys: the one-shot `certs` service makes the CA, the SuperLink's certificate and one key
+# pair per silo once, in its own volume `certs` (later starts keep them), and copies to each
+# party only its share: `silo-NN-certs` holds that silo's key pair and ca.crt,
+# `superlink-certs` the SuperLink's certificate and key, ca.crt and the silos' public keys,
+# `ca-cert` ca.crt for the runner. No other container holds the CA key, and none but a silo's
+# own its private key: a silo's container can neither pose as another silo nor sign a
+# SuperLink certificate that the silos would trust.
 # A silo that crashes (out of memory, say) is started again (restart: on-failure:5) and rejoins
 # under its node id; a SuperLink that crashes is started again too, and the runner continues
 # the run from its checkpoint (submit --resume-on-restart). Docker restarts nothing the
@@ -242,15 +322,17 @@ services:
     <<: *app
     restart: on-failure:5  # a crashed SuperLink comes back; the runner resumes the run
     command:
-{_list(["sh", "-c", f"rm -f {READY} && {shlex.join(certs_command)} && exec "
-                     f"{shlex.join(server_command)}"], 6)}
+{_list(["sh", "-c", f"rm -f {READY} && exec {shlex.join(server_command)}"], 6)}
     ports:
       - "{FLEET_PORT}:{FLEET_PORT}"
       - "{API_PORT}:{API_PORT}"
     volumes:
-      - certs:/certs
+      - {SUPERLINK_CERTS}:/certs:ro  # its certificate and key, ca.crt, the silos' public keys
       - superlink-state:/state
       - ./results/compose:/results  # a directory of its own: `make demo` writes to ./results
+    depends_on:
+      certs:
+        condition: service_completed_successfully
     healthcheck:
       test: ["CMD", "test", "-f", "{READY}"]
       interval: 2s
@@ -258,8 +340,9 @@ services:
       # registering the silo keys took over 180 s (90 x 2 s) on 2 loaded cores, and compose
       # then gave up: "dependency failed to start: ... superlink-1 is unhealthy"
       start_period: 900s
-''']
-    volumes = ["certs", "superlink-state"]
+''', _certs_service(keys)]
+    volumes = [CERTS_VOLUME, SUPERLINK_CERTS, CA_CERT,
+               *(silo_certs(i) for i in range(keys)), "superlink-state"]
     for profile, prefix, topology, gpu in (("cpu", "", full, False), ("gpu", "gpu-", full, True),
                                            ("laptop", "laptop-", small, False)):
         names = []

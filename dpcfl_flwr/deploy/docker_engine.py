@@ -233,6 +233,21 @@ def container_state(env: dict[str, str], container: str) -> dict[str, object]:
     return {**found["State"], "RestartCount": found.get("RestartCount", 0)}
 
 
+def container_mounts(env: dict[str, str], container: str) -> list[dict[str, object]]:
+    """``docker inspect``'s ``Mounts`` of a container, running or stopped: each with its
+    ``Type``, ``Name`` (a volume's), ``Source``, ``Destination`` and ``RW``."""
+    found = json.loads(docker(env, "inspect", container, timeout=60).stdout)[0]
+    return list(found.get("Mounts") or [])
+
+
+def exec_in(env: dict[str, str], container: str, *command: str,
+            user: str | None = None) -> subprocess.CompletedProcess:
+    """``command`` run in the running ``container`` (``docker exec``) as ``user`` (default:
+    the image's, root here), not checked: the caller reads its exit code and output."""
+    return docker(env, "exec", *(["--user", user] if user else []), container, *command,
+                  timeout=120, check=False)
+
+
 class MemorySampler(threading.Thread):
     """Each container's memory (``docker stats``) every ``interval`` seconds: its peak, and
     the peak of the containers' sum, from ``start()`` until ``done`` is set."""
