@@ -234,10 +234,11 @@ def test_dpcfl_client_checks_records_against_its_schema_file_before_it_joins(tmp
     assert fits.returncode == 0, fits.stderr
     assert f"own records (arrays) at {tmp_path / 'records.npz'}, pinned schema" in plan
     assert "fmnist" not in plan
-    # without its schema file, a silo on its own records does not start
+    # without its schema file (compose passes an empty one), a silo on its own records does
+    # not start
     (tmp_path / "silo.toml").write_text((tmp_path / "silo.toml").read_text().replace(
         'schema-file = "schema.toml"', ""))
-    unpinned = _dpcfl("client", "silo.toml", "--dry-run", cwd=tmp_path)
+    unpinned = _dpcfl("client", "silo.toml", "--schema-file", "", "--dry-run", cwd=tmp_path)
     assert unpinned.returncode == 2 and "set schema-file" in " ".join(
         (unpinned.stdout + unpinned.stderr).split())
 

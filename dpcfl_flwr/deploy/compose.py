@@ -151,10 +151,13 @@ def _silo_service(index: int, profile: str, prefix: str, gpu: int | None,
     if gpu is not None:
         command += ["--device", "cuda:0"]
     # the silo's own records, if its operator names them: a host directory mounted read-only
-    # at /data, its source and the file in it (docs/deployment.md#docker-compose)
+    # at /data, its source, the file in it and the schema the silo pins (a path in the
+    # container, e.g. /data/schema.toml; unset for the benchmark slice)
+    # (docs/deployment.md#docker-compose)
     own = name.upper().replace("-", "_")
     command += ["--data-source", f"${{{own}_SOURCE:-benchmark}}",
-                "--data-path", f"/data/${{{own}_FILE:-}}"]
+                "--data-path", f"/data/${{{own}_FILE:-}}",
+                "--schema-file", f"${{{own}_SCHEMA:-}}"]
     text = f'''  {service}:
     <<: *{"gpu" if gpu is not None else "app"}
     profiles: ["{profile}"]
