@@ -198,6 +198,7 @@ def test_dpcfl_data_check_shows_the_records_and_whether_they_fit(tmp_path):
     assert f"{len(split['train'])} / {len(split['val'])} / {len(split['test'])}" in fits.stdout
     assert ", ".join(f"{c}: {n}" for c, n in enumerate(counts)) in fits.stdout
     assert "1x6x6" in fits.stdout and "yes" in fits.stdout
+    assert "fewer than 4 batches of 32" in " ".join(fits.stdout.split())  # 24 train records
     misfit = _dpcfl("data", "check", "silo.toml", "--schema", "wrong.toml", cwd=tmp_path)
     assert misfit.returncode == 2
     assert "train records have shape (1, 6, 6), the federation's schema says (1, 8, 8)" in (
@@ -271,3 +272,24 @@ def test_a_simulation_trains_on_each_silos_own_records(tmp_path):
     assert [c["true_cluster"] for c in clients] == [0, 0, 1, 1]
     accuracies = torch.tensor([c["test_accuracy"] for c in clients])
     assert bool(((accuracies > 0) & (accuracies <= 100)).all())
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda rng: (rng.integers(0, 256, (400, 1, 6, 6)), np.arange(400) % 3),
+     ["input values reach 255"]),
+    (lambda rng: (rng.normal(size=(400, 1, 6, 6)), (np.arange(400) % 10 == 0).astype(int)),
+     ["class 0 holds 9", "balanced accuracy"]),
+    (lambda rng: (rng.normal(size=(400, 1, 6, 6)), np.arange(400) % 3), []),
+])
+def test_the_check_warns_of_what_will_train_badly(tmp_path, make, words):
+    """Raw pixels, a label most records share: they fit the schema, and train badly."""
+    from dpcfl_flwr.data.arrays import load_arrays
+    from dpcfl_flwr.data.summary import summarise
+
+    x, y = make(np.random.default_rng(3))
+    np.savez(tmp_path / "r.npz", x=x.astype(np.float32), y=y)
+    summary = summarise(load_arrays(tmp_path / "r.npz", 0, 0, 0.2, 0.2), Schema((1, 6, 6), 3),
+                        "r.npz")
+    assert summary.problem is None
+    said = " ".join(summary.warnings)
+    assert all(word in said for word in words) and bool(words) == bool(summary.warnings), said

@@ -39,6 +39,39 @@ class RecordsSummary:
     value_range: tuple[float, float, float]
     problem: str | None
 
+    @property
+    def warnings(self) -> list[str]:
+        """What will likely train badly although the records fit: inputs on a scale the
+        default step size was not made for, too few records for a few batches, a label most
+        records share (one line each; shown locally only)."""
+        said = []
+        low, high, _ = self.value_range
+        if max(abs(low), abs(high)) > INPUT_SCALE:
+            said.append(f"input values reach {max(abs(low), abs(high)):.4g}: inputs far outside "
+                        f"[-{INPUT_SCALE:g}, {INPUT_SCALE:g}] make a learning rate chosen for "
+                        "scaled inputs step too far; scale them (pixels / 255, a table's "
+                        "number(mean,scale))")
+        train = self.counts["train"]
+        if train < FEW_BATCHES * TYPICAL_BATCH:
+            said.append(f"{train} training records: fewer than {FEW_BATCHES} batches of "
+                        f"{TYPICAL_BATCH}; DP noise weighs more on few records")
+        total = sum(self.class_counts)
+        if total and max(self.class_counts) > IMBALANCE * total:
+            top = max(range(len(self.class_counts)), key=self.class_counts.__getitem__)
+            said.append(f"class {top} holds {100 * self.class_counts[top] / total:.0f}% of the "
+                        "training records: accuracy near that share is what always guessing "
+                        "it scores; read balanced accuracy")
+        return said
+
+
+#: Largest input magnitude taken without a warning: standardised features and pixels scaled
+#: to [0, 1] (and normalised) stay well inside it; raw pixels (0..255) do not.
+INPUT_SCALE = 10.0
+#: Training records below FEW_BATCHES batches of TYPICAL_BATCH (the default batch size) warn.
+FEW_BATCHES, TYPICAL_BATCH = 4, 32
+#: A label holding more than this share of the training records warns.
+IMBALANCE = 0.8
+
 
 def summarise(data: ClientData, schema: Schema | None, where: str) -> RecordsSummary:
     """The summary of ``data``, checked against ``schema`` when one is given."""

@@ -62,6 +62,7 @@ def check(
     table.add_row("schema", str(path) if path else "none given: shape and classes not checked")
     table.add_row("fits the schema", "n/a" if schema is None
                   else "yes" if summary.problem is None else "no (below)")
+    table.add_row("warnings", "\n".join(summary.warnings) or "none")
     console.print(table)
     if summary.problem is not None:
         stop([summary.problem])
