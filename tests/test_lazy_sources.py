@@ -215,8 +215,11 @@ def test_a_missing_value_refused_in_memory_is_refused_at_start_up_when_read_lazi
         with pytest.raises(DataError) as refused:
             load_table(_request(path, refuse, memory_mib))
         lines.append(str(refused.value))
+    ages = pq.read_table(path, columns=["age"]).column("age").to_numpy(zero_copy_only=False)
+    first = int(np.flatnonzero(np.isnan(ages.astype(float)))[0]) + 1  # rows count from 1
     assert lines[0] == lines[1] == (f"{path}: column 'age' has missing values (null, empty "
-                                    "or NaN) and the schema's missing-values rule is refuse")
+                                    "or NaN) and the schema's missing-values rule is refuse "
+                                    f"(row {first})")
 
 
 def test_a_csv_larger_than_records_memory_is_read_when_used_like_parquet(tmp_path):

@@ -311,3 +311,22 @@ def test_a_benchmark_silo_as_a_table_trains_the_same_round(tmp_path, server_task
     assert not any(r.has_error() for r in replies)
     np.testing.assert_array_equal(_update(replies[0]), _update(replies[1]))
     assert benchmark.ledger().entries == table.ledger().entries
+
+
+@pytest.mark.parametrize(("column", "bad", "words"), [
+    ("sex", "x", "column 'sex' holds a value that is not among the schema's categories"),
+    ("age", None, "column 'age' has missing values"),
+    ("label", 7, "label column 'label' holds a label not one of the schema's classes"),
+    ("part", "holdout", "split column 'part' holds a value other than"),
+])
+def test_a_refusal_names_the_first_row_at_fault_across_row_groups(tmp_path, column, bad,
+                                                                   words):
+    """For the silo's operator (the refusal stays on the silo): row 8 of 10, counted from 1
+    without the header, in the third row group of three rows each."""
+    rows = {name: values * 3 for name, values in _small().to_pydict().items()}
+    rows = {name: values[:10] for name, values in rows.items()}
+    rows[column] = [*rows[column][:7], bad, *rows[column][8:]]
+    path = _write(pa.table(rows), tmp_path / "t.parquet", row_group_size=3)
+    with pytest.raises(DataError) as caught:
+        load_table(_request(path, split_column="part"))
+    assert words in str(caught.value) and str(caught.value).endswith("(row 8)")

@@ -84,6 +84,24 @@ class Block:
     splits: np.ndarray | None
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Where a batch's rows are: their ``file`` and the table row (1-based, the header not
+    counted) of the batch's first row, so that a refusal names the first row at fault. It
+    reads as the file's path in a message; the row is for the silo's operator (its log and
+    terminal), like every detail of a refusal."""
+
+    file: Path
+    first: int = 1
+
+    def __str__(self) -> str:
+        return str(self.file)
+
+    def first_of(self, mask: np.ndarray) -> str:
+        """`` (row k)``: the first row of the batch where ``mask`` holds."""
+        return f" (row {self.first + int(np.argmax(mask))})"
+
+
 def load_table(request: SourceRequest) -> ClientData:
     """The ``table`` data source: the table at the silo's ``data-path`` (module docstring),
     its features as float32 tensors (n, *input shape), its labels and its split: in memory,
@@ -100,8 +118,10 @@ def load_table(request: SourceRequest) -> ClientData:
     splits: list[np.ndarray] = []
     held, spool = 0, None
     for file in files:
+        row = 1
         for batch in _batches(file, columns, len(schema.features), ignored):
-            block = convert_batch(batch, schema, split_column, file)
+            block = convert_batch(batch, schema, split_column, Rows(file, row))
+            row += batch.num_rows
             labels.append(block.labels)
             if block.splits is not None:
                 splits.append(block.splits)
@@ -237,7 +257,7 @@ def _check_columns(names: list[str], columns: list[str], features: int, ignored:
                         "columns it leaves out")
 
 
-def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file: Path
+def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file: Rows
                   ) -> Block:
     """One batch of ``file``'s rows built to the schema (module docstring): the features in
     the schema's order, the labels and (with a split column) each row's split."""
@@ -247,7 +267,7 @@ def convert_batch(batch: pa.RecordBatch, schema: Schema, split_column: str, file
     return Block(features, labels, splits)
 
 
-def convert_features(batch: pa.RecordBatch, schema: Schema, file: Path) -> np.ndarray:
+def convert_features(batch: pa.RecordBatch, schema: Schema, file: Rows) -> np.ndarray:
     """The features of a batch of ``file``'s rows, float32 (rows, feature width), in the
     schema's order (module docstring)."""
     features = np.empty((batch.num_rows, schema.feature_width), dtype=np.float32)
@@ -261,7 +281,7 @@ def convert_features(batch: pa.RecordBatch, schema: Schema, file: Path) -> np.nd
     return features
 
 
-def _text(column: pa.Array, name: str, file: Path) -> pa.Array:
+def _text(column: pa.Array, name: str, file: Rows) -> pa.Array:
     """``column`` as text with surrounding spaces trimmed; empty text becomes null (missing)."""
     try:
         text = pc.utf8_trim_whitespace(pc.cast(column, pa.string()))
@@ -271,13 +291,13 @@ def _text(column: pa.Array, name: str, file: Path) -> pa.Array:
     return pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text)
 
 
-def _refuse_missing(missing: np.ndarray, name: str, rule: str, file: Path) -> None:
+def _refuse_missing(missing: np.ndarray, name: str, rule: str, file: Rows) -> None:
     if rule == "refuse" and missing.any():
         raise DataError(f"{file}: column {name!r} has missing values (null, empty or NaN) and "
-                        "the schema's missing-values rule is refuse")
+                        f"the schema's missing-values rule is refuse{file.first_of(missing)}")
 
 
-def _number(column: pa.Array, feature: Feature, rule: str, file: Path) -> np.ndarray:
+def _number(column: pa.Array, feature: Feature, rule: str, file: Rows) -> np.ndarray:
     """A number feature as ``(value - mean) / scale``, (rows, 1) float32; a missing value
     (refused, or) filled with the schema mean."""
     source = _text(column, feature.name, file) if not (
@@ -289,43 +309,52 @@ def _number(column: pa.Array, feature: Feature, rule: str, file: Path) -> np.nda
         raise DataError(f"{file}: column {feature.name!r} holds text that is not a number"
                         ) from None
     if np.isinf(values).any():
-        raise DataError(f"{file}: column {feature.name!r} holds an infinite number")
+        raise DataError(f"{file}: column {feature.name!r} holds an infinite number"
+                        f"{file.first_of(np.isinf(values))}")
     missing = np.isnan(values)  # a null, once cast, is NaN as well
     _refuse_missing(missing, feature.name, rule, file)
     values = np.where(missing, feature.mean, values)
     return ((values - feature.mean) / feature.scale).astype(np.float32)[:, None]
 
 
-def _category(column: pa.Array, feature: Feature, rule: str, file: Path) -> np.ndarray:
+def _category(column: pa.Array, feature: Feature, rule: str, file: Rows) -> np.ndarray:
     """A category feature as one float32 indicator per listed value, (rows, values); a
     missing value (refused, or) all indicators 0."""
     text = _text(column, feature.name, file)
     index = pc.fill_null(pc.index_in(text, value_set=pa.array(feature.categories)), -1)
     index = index.to_numpy(zero_copy_only=False)
     missing = text.is_null().to_numpy(zero_copy_only=False)
-    if ((index < 0) & ~missing).any():
+    unknown = (index < 0) & ~missing
+    if unknown.any():
         raise DataError(f"{file}: column {feature.name!r} holds a value that is not among the "
-                        "schema's categories")
+                        f"schema's categories{file.first_of(unknown)}")
     _refuse_missing(missing, feature.name, rule, file)
     return (index[:, None] == np.arange(feature.width)[None, :]).astype(np.float32)
 
 
-def _labels(column: pa.Array, schema: Schema, file: Path) -> np.ndarray:
+def _labels(column: pa.Array, schema: Schema, file: Rows) -> np.ndarray:
     """The label column as labels 0..C-1 (int64), each distinct value resolved once."""
     text = _text(column, schema.label, file)
     if text.null_count:
+        absent = text.is_null().to_numpy(zero_copy_only=False)
         raise DataError(f"{file}: label column {schema.label!r} has missing labels (every "
-                        "record needs one)")
+                        f"record needs one){file.first_of(absent)}")
     values = pc.unique(text)
-    labels = class_labels(values.to_pylist(), schema, file,
-                          f"label column {schema.label!r} holds a label")
-    return labels[pc.index_in(text, value_set=values).to_numpy(zero_copy_only=False)]
+    codes = pc.index_in(text, value_set=values).to_numpy(zero_copy_only=False)
+    try:
+        labels = class_labels(values.to_pylist(), schema, file.file,
+                              f"label column {schema.label!r} holds a label")
+    except DataError as exc:
+        foreign = np.array([schema.class_index(v) is None for v in values.to_pylist()])
+        raise DataError(f"{exc}{file.first_of(foreign[codes])}") from None
+    return labels[codes]
 
 
-def _splits(column: pa.Array, name: str, file: Path) -> np.ndarray:
+def _splits(column: pa.Array, name: str, file: Rows) -> np.ndarray:
     """The split column as indices of SPLITS (int64)."""
     index = pc.index_in(_text(column, name, file), value_set=pa.array(SPLITS))
     if index.null_count:
+        other = index.is_null().to_numpy(zero_copy_only=False)
         raise DataError(f"{file}: split column {name!r} holds a value other than "
-                        f"{', '.join(SPLITS)} (or none)")
+                        f"{', '.join(SPLITS)} (or none){file.first_of(other)}")
     return index.to_numpy(zero_copy_only=False).astype(np.int64)
