@@ -59,6 +59,7 @@ def _probe(tmp_path: Path, run: dict, node: dict | None = None, schema: str = ""
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a process of its own per case, each importing torch and Flower
 @pytest.mark.parametrize(("run", "node", "schema", "words"), [
     ({"model": "mlp", "model-params.hidden": "12000,12000"}, {}, "",
      "holds 153,552,010 values; this silo builds at most 50,000,000 (node config "
