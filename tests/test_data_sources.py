@@ -44,6 +44,17 @@ def test_features_grammar_gives_columns_in_order_with_their_widths():
     assert config.data_schema.features[2].categories == ("f", "m")
 
 
+def test_a_column_range_names_one_column_per_integer():
+    written = parse_features(", ".join(f"px{i}:number(0.5,0.25)" for i in range(784))
+                             + ", sex:category(f|m)")
+    assert parse_features("px{0..783}:number(0.5,0.25), sex:category(f|m)") == written
+    assert [f.name for f in parse_features("a{7..8}b:number")] == ["a7b", "a8b"]
+    with pytest.raises(ValueError, match="more than 100,000 columns"):  # before building any
+        parse_features("p{0..999999999}:number")
+    with pytest.raises(ValueError, match="'p{3..1}': the range runs backwards"):
+        parse_features("p{3..1}:number")
+
+
 @pytest.mark.parametrize("features, words", [
     ("age", "expected 'name:number'"),
     ("age:number(54)", "two numbers"),

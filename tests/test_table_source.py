@@ -299,7 +299,7 @@ def test_a_benchmark_silo_as_a_table_trains_the_same_round(tmp_path, server_task
         columns["label"] += y.tolist()
         columns["part"] += [split] * len(y)
     path = _write(pa.table(columns), tmp_path / "fmnist.csv")
-    features = ", ".join(f"p{i}:number" for i in range(784))
+    features = "p{0..783}:number"  # the 784 pixel columns p0 .. p783
     run = _run_config(tmp_path, features=features, **{"input-shape": "1,28,28"})
     pinned = f'features = "{features}"\ninput-shape = "1,28,28"\n'
     table = Attacker(tmp_path / "own", _arrays_node(

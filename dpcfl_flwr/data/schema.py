@@ -13,6 +13,8 @@ a flat mapping whose order is not kept, so the order is written in the value)::
 ``number`` is used as ``(value - mean) / scale`` (``number`` alone: mean 0, scale 1);
 ``category(a|b|c)`` becomes one indicator per listed value. The model's input is the
 concatenation, so its width is the number of numbers plus the number of listed categories.
+A name with a range ``{first..last}`` stands for one column per integer, in order:
+``px{0..783}:number(0.5,0.25)`` is the 784 pixel columns ``px0`` .. ``px783``.
 """
 
 from __future__ import annotations
@@ -48,11 +50,38 @@ class Feature:
         return len(self.categories) if self.kind == "category" else 1
 
 
+#: A column range in a feature's name: ``px{0..783}``.
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+#: Most columns a schema string may name: a run config is the server's text, and a silo
+#: parses it before anything else, so a range cannot make it build millions of features.
+MAX_FEATURES = 100_000
+
+
+def _expanded(parts: list[str]) -> list[str]:
+    """``parts`` with each column range written out, one part per column (at most
+    :data:`MAX_FEATURES` in all); ValueError for a range that runs backwards."""
+    out: list[str] = []
+    for part in parts:
+        name, colon, rest = part.partition(":")
+        found = _RANGE.search(name)
+        if found is None:
+            out.append(part)
+            continue
+        first, last = int(found.group(1)), int(found.group(2))
+        if last < first:
+            raise ValueError(f"feature {name.strip()!r}: the range runs backwards")
+        if len(out) + last - first + 1 > MAX_FEATURES:
+            raise ValueError(f"the features name more than {MAX_FEATURES:,} columns")
+        out += [f"{name[:found.start()]}{i}{name[found.end():]}{colon}{rest}"
+                for i in range(first, last + 1)]
+    return out
+
+
 def parse_features(text: str) -> tuple[Feature, ...]:
     """The features of a schema string (module docstring); ValueError naming the part that is
     wrong."""
     features: list[Feature] = []
-    for part in _split_top_level(text):
+    for part in _expanded(_split_top_level(text)):
         match = _FEATURE.match(part)
         if not match:
             raise ValueError(f"feature {part.strip()!r}: expected 'name:number', "
