@@ -65,6 +65,7 @@ from pydantic import Field, ValidationError
 from ..config.settings import SiloConfig, parse_node_config
 from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..flower_compat.environment import flower_tool
+from ..flower_compat.transport import supernode_fleet_flags
 from . import silo_torch
 from .certs import certificate_problems
 from .supernode_launcher import DEFAULT_IDLE_POLL
@@ -223,7 +224,7 @@ def supernode_command(silo: SiloFile, node: SiloConfig) -> list[str]:
     """
     command = [sys.executable, "-P", "-m", "dpcfl_flwr.deploy.supernode_launcher",
                "--clientapp", "warm" if silo.warm else "per-message",
-               "--idle-poll", f"{silo.idle_poll:g}", "--superlink", silo.superlink, "--grpc-rere",
+               "--idle-poll", f"{silo.idle_poll:g}", *supernode_fleet_flags(silo.superlink),
                "--host", silo.runtime_host, "--port", str(silo.runtime_port),
                "--isolation", "process", "--node-config", node_config_text(node)]
     if silo.insecure:

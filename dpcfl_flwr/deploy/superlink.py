@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..flower_compat import IN_MEMORY_DATABASE, register_node_keys
 from ..flower_compat.environment import flower_tool
+from ..flower_compat.transport import superlink_fleet_flags
 from .certs import certificate_problems, server_certificate_problems
 from .superlink_launcher import DEFAULT_PULL_HOLD
 
@@ -108,8 +109,8 @@ def check_server(s: ServerSettings) -> list[str]:
 def superlink_command(s: ServerSettings) -> list[str]:
     host, _, port = s.api_address.rpartition(":")
     command = [sys.executable, "-m", "dpcfl_flwr.deploy.superlink_launcher",
-               "--pull-hold", f"{s.pull_hold:g}", "--fleet-api-type", "grpc-rere",
-               "--fleet-api-address", s.fleet_address, "--host", host, "--port", port,
+               "--pull-hold", f"{s.pull_hold:g}", *superlink_fleet_flags(s.fleet_address),
+               "--host", host, "--port", port,
                "--isolation", "subprocess", "--database", s.database,
                "--disable-runtime-dependency-installation"]
     if s.insecure:
