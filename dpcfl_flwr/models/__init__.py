@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from .mlp import MLP, MLPParams
     from .paper import GROUPNORM_GROUPS, BasicBlock, PaperCNN, ResNet18GN
-    from .spec import build, build_on_meta, count_parameters, initial_state
+    from .spec import build, build_for_shapes, count_parameters, initial_state
 
 #: The paper's image models (the audit and attack commands take these).
 MODEL_NAMES = ("cnn", "resnet18")
@@ -34,7 +34,7 @@ _TORCH_NAMES = {
     "MLP": ".mlp", "MLPParams": ".mlp",
     "GROUPNORM_GROUPS": ".paper", "BasicBlock": ".paper", "PaperCNN": ".paper",
     "ResNet18GN": ".paper",
-    "build": ".spec", "build_on_meta": ".spec", "count_parameters": ".spec",
+    "build": ".spec", "build_for_shapes": ".spec", "count_parameters": ".spec",
     "initial_state": ".spec",
 }
 
@@ -68,5 +68,5 @@ def build_model(name: str, num_classes: int = 10, in_channels: int | None = None
 
 __all__ = ["ENTRY_POINT_GROUP", "GROUPNORM_GROUPS", "MLP", "MODEL_NAMES", "BasicBlock",
            "MLPParams", "ModelSpec", "PaperCNN", "ResNet18GN", "build", "build_model",
-           "build_on_meta", "count_parameters", "image_model_spec", "initial_state",
+           "build_for_shapes", "count_parameters", "image_model_spec", "initial_state",
            "model_names"]

@@ -11,6 +11,8 @@ weights into it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -19,6 +21,8 @@ from .dp_check import dp_trainable
 from .initial_weights import load_initial_weights
 from .registry import ModelSpec, model_entry, validate_params
 from .trainable import freeze_except
+
+logger = logging.getLogger(__name__)
 
 
 def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
@@ -46,11 +50,17 @@ def build(spec: ModelSpec, seed: int | None = None) -> nn.Module:
     return model
 
 
-def build_on_meta(spec: ModelSpec) -> nn.Module:
+def build_for_shapes(spec: ModelSpec) -> nn.Module:
     """The model with every tensor on PyTorch's meta device: its names, shapes and forward
-    pass without memory for its values, so its size can be known before it is built (a
-    plug-in whose builder cannot run there raises; ConfigError as :func:`build`)."""
-    with torch.device("meta"):
+    pass without memory for its values, so its size can be known before it is built. A
+    plug-in whose builder cannot run there is built for real (logged); ConfigError as
+    :func:`build`."""
+    try:
+        with torch.device("meta"):
+            return build(spec)
+    except Exception:  # noqa: BLE001 - a plug-in's own limitation: built the costly way
+        logger.info("model %r cannot be built on the meta device; built for real to be "
+                    "measured", spec.name)
         return build(spec)
 
 
@@ -67,4 +77,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["ModelSpec", "build", "build_on_meta", "count_parameters", "initial_state"]
+__all__ = ["ModelSpec", "build", "build_for_shapes", "count_parameters", "initial_state"]

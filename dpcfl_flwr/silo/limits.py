@@ -12,7 +12,6 @@ config ``max-model-parameters``, ``max-classes``, ``max-physical-batch``,
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +19,8 @@ import torch
 from ..config.settings import SiloConfig
 from ..dpsgd.per_sample import activation_floats
 from ..dpsgd.training import chunk_size
-from ..models import ModelSpec, build, build_on_meta
+from ..models import ModelSpec, build_for_shapes
 from .requests import BadRequest
-
-logger = logging.getLogger(__name__)
 
 #: Copies of the model's values a round holds at once: the received weights (wire bytes and
 #: tensors), the model, its gradient, the clipped sum, the noise, the update and the start.
@@ -61,13 +58,8 @@ def footprint(spec: ModelSpec, physical_batch_size: int) -> Footprint:
     """The footprint of ``spec`` trained in physical batches of ``physical_batch_size``
     records (0: the silo's memory rule, :func:`~..dpsgd.training.chunk_size`). A model
     plug-in whose builder cannot run on the meta device is built for real to be measured."""
-    try:
-        model = build_on_meta(spec)
-        device = torch.device("meta")
-    except Exception:  # noqa: BLE001 - a plug-in's own limitation: measured the costly way
-        logger.info("model %r cannot be built on the meta device; built to be measured",
-                    spec.name)
-        model, device = build(spec), torch.device("cpu")
+    model = build_for_shapes(spec)
+    device = next((t.device for t in model.state_dict().values()), torch.device("meta"))
     values = sum(t.numel() for t in model.state_dict().values())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:

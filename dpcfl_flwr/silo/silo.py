@@ -37,7 +37,7 @@ from ..dpsgd.training import (
     secure_generator,
     train_dp,
 )
-from ..models import ModelSpec, build, build_on_meta
+from ..models import ModelSpec, build, build_for_shapes
 from ..privacy.accountants import DEFAULT_ACCOUNTANT, accountant_named
 from ..privacy.budget import plan_noise
 from ..privacy.history import UNNAMED_ACCOUNTANT, History
@@ -535,8 +535,4 @@ _ENGINES_LOGGED: set[tuple[int, int]] = set()
 def _template(spec: ModelSpec) -> dict[str, torch.Tensor]:
     # Built once per process (a warm runtime answers every round of its silo) on the meta
     # device: names, shapes and dtypes without memory for the weights
-    try:
-        model = build_on_meta(spec)
-    except Exception:  # noqa: BLE001 - a plug-in that cannot run there is built for real
-        model = build(spec)
-    return {k: v.detach().to("meta") for k, v in model.state_dict().items()}
+    return {k: v.detach().to("meta") for k, v in build_for_shapes(spec).state_dict().items()}
