@@ -155,8 +155,10 @@ def switch_round(mpo: float, rounds: int) -> int:
 class UpdateClusterer:
     """Clusters clients from their round-1 updates; reads like a scikit-learn estimator.
 
-    With ``n_clusters=None`` the number of clusters M is the candidate with the largest MSS
-    (least uncertain GMM), over ``candidate_clusters`` (2..10 by default, capped at n - 1).
+    With ``n_clusters=None`` a mixture is fitted for every M of ``candidate_clusters`` (2..10
+    by default, capped at n - 1) and the one of largest MSS is kept (the authors' rule);
+    :func:`.model_order.fit_model_order` then weighs each against a null of no structure and
+    may keep another, or one cluster (:meth:`keep_clusters`).
 
     ``n_components`` is the projection's dimension: the authors' code uses 2; ``None`` uses
     M - 1 (at least 2) for each candidate M, the dimension the M cluster means span. With 2
@@ -166,7 +168,8 @@ class UpdateClusterer:
 
     After ``fit``: ``points_`` (the scaled projection used), ``n_clusters_``, ``means_``,
     ``radii_``, ``responsibilities_`` (pi_i, n x M), ``labels_``, ``mss_``, ``mpo_``,
-    ``n_iter_`` (EM iterations), ``converged_`` and ``candidate_mss_`` (M -> MSS).
+    ``n_iter_`` (EM iterations), ``converged_``, ``candidate_mss_`` (M -> MSS) and
+    ``fits_`` (M -> :class:`GMMFit`).
     """
 
     def __init__(
@@ -195,8 +198,10 @@ class UpdateClusterer:
         wanted = self.n_components if self.n_components else max(2, n_clusters - 1)
         return max(2, min(wanted, n_points - 1))
 
-    def fit(self, updates: UpdateMatrix) -> UpdateClusterer:
-        """Fit on an (n clients, p parameters) matrix of round-1 updates."""
+    def fit(self, updates: UpdateMatrix,
+            reported: Sequence[float | None] | None = None) -> UpdateClusterer:
+        """Fit on an (n clients, p parameters) matrix of round-1 updates. ``reported``, each
+        silo's planned noise variance, is for mixtures that use it; this one does not."""
         with one_blas_thread():  # its small products run faster on one (..blas_threads)
             return self._fit(updates)
 
@@ -209,14 +214,29 @@ class UpdateClusterer:
         scaled = scale_points(self.projection_, self.scaler)  # per axis, so slices stay scaled
         fits = {m: fit_spherical_gmm(scaled[:, :dims[m]], m, self.random_state, self.tol,
                                      self.max_iter) for m in candidates}
-        self._keep(fits, scaled[:, :dims[max(fits, key=lambda m: (fits[m].mss, -m))]])
+        self._keep(fits, {m: scaled[:, :dims[m]] for m in fits})
         return self
 
-    def _keep(self, fits: dict[int, GMMFit], points: np.ndarray) -> None:
-        """Keep the fit of largest MSS (the fewest clusters among ties) and its ``points``."""
+    def _keep(self, fits: dict[int, GMMFit], points: dict[int, np.ndarray]) -> None:
+        """Keep every candidate's fit and the points it saw; use the one of largest MSS (the
+        fewest clusters among ties)."""
+        self.fits_ = fits
+        self._points_by_order = points
         self.candidate_mss_ = {m: fit.mss for m, fit in fits.items()}
-        self.n_clusters_ = max(fits, key=lambda m: (fits[m].mss, -m))
-        best = fits[self.n_clusters_]
+        self.keep_clusters(max(fits, key=lambda m: (fits[m].mss, -m)))
+
+    def keep_clusters(self, n_clusters: int) -> None:
+        """Use the fit with ``n_clusters`` components, or (1) one cluster holding every silo:
+        MSS 0 and MPO 1, there being no pair of clusters to separate."""
+        if n_clusters == 1:
+            points = self._points_by_order[min(self._points_by_order)]
+            spread = float(np.sqrt(((points - points.mean(axis=0)) ** 2).sum(axis=1).mean()))
+            best = GMMFit(points.mean(axis=0, keepdims=True), np.array([spread]),
+                          np.ones((len(points), 1)), 0, True, 0.0, 1.0)
+        else:
+            best = self.fits_[n_clusters]
+            points = self._points_by_order[n_clusters]
+        self.n_clusters_ = n_clusters
         self.points_ = points
         self.means_, self.radii_ = best.means, best.radii
         self.responsibilities_ = best.responsibilities

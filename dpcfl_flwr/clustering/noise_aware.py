@@ -620,7 +620,7 @@ class NoiseAwareClusterer(UpdateClusterer):
         self.noise_source = noise_source
         self.tolerance = tolerance
 
-    def fit(self, updates: UpdateMatrix,  # type: ignore[override]
+    def fit(self, updates: UpdateMatrix,
             reported: Sequence[float | None] | None = None) -> NoiseAwareClusterer:
         """Fit on an (n clients, p parameters) matrix of round-1 updates."""
         with one_blas_thread():  # its small products run faster on one (..blas_threads)
@@ -643,5 +643,5 @@ class NoiseAwareClusterer(UpdateClusterer):
         self.excess_noise_ = np.repeat(excess[:, None] / factor**2, scaled.shape[1], axis=1)
         fits = fit_noise_aware_gmms(scaled, self.excess_noise_, dims, self.random_state,
                                     self.tol, self.max_iter)
-        self._keep(fits, scaled[:, :dims[max(fits, key=lambda m: (fits[m].mss, -m))]])
+        self._keep(fits, {m: scaled[:, :dims[m]] for m in fits})
         return self
