@@ -81,6 +81,9 @@ VALID_TRAIN = {
     "personal": st.integers(0, 1),
     "prox-lambda": st.floats(0.0, 1.0),
     "privatiser": st.sampled_from(["dpsgd"] * 5 + ["dprivacy"]),
+    "tune-candidates": st.sampled_from([0, 0, 2, 3, 9]),
+    "learning-rate-candidates": st.sampled_from(["", "", "0.01,0.1", "0.01,0.03,0.1",
+                                                 "0.1,-1", "0.1,0.5,1,2,3,4,5,6,7"]),
 }
 MODEL_KINDS = ["valid"] * 6 + ["truncated", "nan", "none", "renamed", "anchor", "anchor"]
 
@@ -143,11 +146,14 @@ def _send(attacker: Attacker, kind: str, values: dict[str, Any], model_kind: str
     return attacker.send(kind, content)
 
 
-def _expected_train_charge(values: dict[str, Any]) -> tuple[float, int, bool]:
-    """(sample rate, steps, with a selection) of an answered train message, from its fields
-    alone: b/N and K ceil(N/b) at an integer batch, rate 1 and K steps at the full batch."""
+def _expected_train_charge(values: dict[str, Any]) -> tuple[float, int, bool, int]:
+    """(sample rate, steps, with a selection, models trained) of an answered train message,
+    from its fields alone: b/N and K ceil(N/b) at an integer batch, rate 1 and K steps at
+    the full batch; one model, or one per learning-rate candidate (then a selection more)."""
     batch = N if values["round-batch"] == "full" else int(values["round-batch"])
-    return batch / N, values["local-epochs"] * math.ceil(N / batch), values["cluster"] == SELECT
+    rates = [r for r in str(values.get("learning-rate-candidates", "")).split(",") if r]
+    return (batch / N, values["local-epochs"] * math.ceil(N / batch),
+            values["cluster"] == SELECT, max(1, len(rates)))
 
 
 def _dp_accounting_epsilon(entries: list[Any]) -> float:
@@ -184,13 +190,14 @@ def _check(attacker: Attacker, kind: str, values: dict[str, Any], reply: Any,
         assert METRICS in reply.content
         assert [(e.noise_multiplier, e.sample_rate, e.steps) for e in new] == [(10.0, 1.0, 1)]
         return
-    rate, steps, selected = _expected_train_charge(values)
-    assert [e.kind for e in new] == (["selection"] if selected else []) + ["gaussian"]
-    gaussian = new[-1]
-    assert (gaussian.sample_rate, gaussian.steps) == (rate, steps)
-    assert gaussian.round == values["server-round"]
+    rate, steps, selected, trained = _expected_train_charge(values)
+    assert [e.kind for e in new] == ((["selection"] if selected else []) + ["gaussian"] * trained
+                                     + (["selection"] if trained > 1 else []))
+    gaussians = [e for e in new if e.kind == "gaussian"]
+    assert {(g.sample_rate, g.steps, g.round) for g in gaussians} == {
+        (rate, steps, values["server-round"])}
     metrics = metrics_of(reply)
-    assert metrics["noise-multiplier"] == gaussian.noise_multiplier
+    assert metrics["noise-multiplier"] == gaussians[0].noise_multiplier
     assert "cpu-seconds" not in metrics
     if not values.get("personal"):
         update = model_records(reply.content)[UPDATE]

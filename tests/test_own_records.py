@@ -46,15 +46,22 @@ def _arrays_node(tmp_path: Path, path: Path, schema: str = SCHEMA, **extra) -> d
 
 
 def test_the_same_records_as_arrays_train_the_same_round(tmp_path, server_task_identity):
+    """Records exported already normalised, read as stored (input-scaling = "none"): the
+    very update the built-in reader's records give; read with the default per-record
+    scaling, another one."""
     data = silo_data(Attacker(tmp_path / "benchmark"))  # a benchmark silo's records
     path = _export(data, tmp_path / "records.npz")
     seeded = {"noise-seed": 7}
     benchmark = Attacker(tmp_path / "benchmark", _node_config(tmp_path / "benchmark", **seeded))
-    own = Attacker(tmp_path / "own", _arrays_node(tmp_path / "own", path, **seeded))
-    replies = [a.train(1, cluster=-2) for a in (benchmark, own)]
+    as_read = Attacker(tmp_path / "own", _arrays_node(
+        tmp_path / "own", path, SCHEMA + 'input-scaling = "none"\n', **seeded),
+        _run_config(tmp_path / "own", **{"input-scaling": "none"}))
+    scaled = Attacker(tmp_path / "scaled", _arrays_node(tmp_path / "scaled", path, **seeded))
+    replies = [a.train(1, cluster=-2) for a in (benchmark, as_read, scaled)]
     assert not any(r.has_error() for r in replies)
     np.testing.assert_array_equal(_update(replies[0]), _update(replies[1]))
-    assert benchmark.ledger().entries == own.ledger().entries  # same N_i, so the same z
+    assert not np.array_equal(_update(replies[0]), _update(replies[2]))
+    assert benchmark.ledger().entries == as_read.ledger().entries  # same N_i, so the same z
 
 
 def test_a_drawn_split_is_the_silos_own_and_reproducible(tmp_path):

@@ -66,7 +66,7 @@ def toml_value(value: Any) -> str:
 
 #: The run-config keys of the federation's data schema (docs/own-data.md).
 SCHEMA_KEYS = ("input-shape", "num-classes", "class-names", "features", "label-column",
-               "missing-values", "image-mean", "image-std")
+               "missing-values", "image-mean", "image-std", "input-scaling")
 
 
 def load_schema(path: str | Path) -> Schema:

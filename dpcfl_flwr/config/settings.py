@@ -7,6 +7,7 @@ names the key and what was expected, instead of a traceback rounds later.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -35,9 +36,17 @@ from ..privacy.defaults import (
     BudgetMode,
     Conversion,
 )
+from ..privacy.schedule import MAX_TUNED_RATES
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
 from .validation import ConfigError, ConfigModel, kebab, one_line_error
+
+#: The default candidates' step lengths, learning rate x clip norm: how far one step on
+#: clipped gradients may move the weights (a record's clipped gradient has norm at most C,
+#: so the learning rate that gives a step length scales as 1 / C). Half-decades that span
+#: the rates good DP-SGD runs use on standardised inputs (docs/algorithm.md#choosing-the-
+#: learning-rate); the silo picks among them privately.
+STEP_LENGTHS = (0.015, 0.05, 0.15, 0.5)
 
 
 class ExperimentConfig(ConfigModel):
@@ -88,11 +97,18 @@ class ExperimentConfig(ConfigModel):
     missing_values: Literal["refuse", "fill"] = "refuse"
     image_mean: str = ""
     image_std: str = ""
+    # without image-mean / image-std, an image folder's or arrays' records are standardised
+    # one record at a time (docs/own-data.md#input-scaling), or taken as read ("none")
+    input_scaling: Literal["per-record", "none"] = "per-record"
     # training schedule (docs/algorithm.md#hyper-parameters-and-defaults)
     num_server_rounds: int = Field(30, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
-    learning_rate: float = Field(0.005, gt=0.0)
+    # 0: each silo chooses its own, privately, among learning-rate-candidates in its first
+    # training round (docs/algorithm.md#choosing-the-learning-rate); empty candidates: the
+    # rule's (STEP_LENGTHS / clip-norm)
+    learning_rate: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    learning_rate_candidates: str = ""
     clip_norm: float = Field(3.0, gt=0.0)
     # privacy: defaults for silos whose node config does not set their own budget
     epsilon: float = Field(10.0, gt=0.0)
@@ -222,10 +238,36 @@ class ExperimentConfig(ConfigModel):
         parse_floats(value)
         return value
 
+    @field_validator("learning_rate_candidates")
+    @classmethod
+    def _valid_candidates(cls, value: str) -> str:
+        rates = parse_floats(value)
+        if rates and not (2 <= len(rates) <= MAX_TUNED_RATES and min(rates) > 0):
+            raise ValueError(f"give 2 to {MAX_TUNED_RATES} positive learning rates")
+        return value
+
     @model_validator(mode="after")
     def _valid_schema(self) -> ExperimentConfig:
         self.data_schema  # noqa: B018 - builds the schema, raising ValueError naming what is wrong
         return self
+
+    @property
+    def tuned_learning_rates(self) -> tuple[float, ...]:
+        """The candidates each silo chooses its learning rate among (empty: the run config
+        sets one): learning-rate-candidates, else :data:`STEP_LENGTHS` / clip-norm."""
+        if self.learning_rate > 0:
+            return ()
+        if self.learning_rate_candidates.strip():
+            return tuple(sorted(parse_floats(self.learning_rate_candidates)))
+        return tuple(length / self.clip_norm for length in STEP_LENGTHS)
+
+    @property
+    def base_learning_rate(self) -> float:
+        """The learning rate of rounds before a silo has chosen its own (R-DPCFL's round 1,
+        whose clustering does not depend on the step's scale): the one set, else the
+        candidates' geometric middle."""
+        grid = self.tuned_learning_rates
+        return self.learning_rate if not grid else math.sqrt(grid[0] * grid[-1])
 
     @property
     def record_shape(self) -> tuple[int, ...]:
@@ -245,7 +287,7 @@ class ExperimentConfig(ConfigModel):
         return Schema(self.record_shape, self.num_classes, names,
                       parse_features(self.features) if self.features.strip() else (),
                       self.label_column, self.missing_values, parse_floats(self.image_mean),
-                      parse_floats(self.image_std))
+                      parse_floats(self.image_std), self.input_scaling)
 
     @field_validator("clusters", mode="before")
     @classmethod
@@ -256,7 +298,8 @@ class ExperimentConfig(ConfigModel):
         return str(value)
 
     @field_validator("silo_epsilons", "silo_deltas", "silo_batch_sizes", "silo_samples",
-                     "lying_silos", "image_mean", "image_std", mode="before")
+                     "lying_silos", "image_mean", "image_std", "learning_rate_candidates",
+                     mode="before")
     @classmethod
     def _one_value_list(cls, value: Any) -> Any:
         """A list of one (``--set lying-silos=3``, ``--set image-mean=0.5``) arrives as a

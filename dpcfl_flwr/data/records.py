@@ -206,6 +206,13 @@ class LazyRecords:
         return torch.from_numpy(np.ascontiguousarray(block).reshape(len(rows),
                                                                     *self.record_shape))
 
+    def mapped(self, transform: Callable[[np.ndarray], np.ndarray]) -> LazyRecords:
+        """The same records, each block passed through ``transform`` (float32 rows in, rows
+        of the same shape out) when read."""
+        read = self._read
+        return LazyRecords(lambda rows: transform(np.asarray(read(rows), dtype=np.float32)),
+                           self.rows, self.record_shape)
+
     def subset(self, positions: np.ndarray) -> LazyRecords:
         """The records at ``positions`` of this split (a split drawn from all records)."""
         return LazyRecords(self._read, self.rows[positions], self.record_shape)

@@ -142,6 +142,11 @@ def parse_floats(text: str) -> tuple[float, ...]:
     return values
 
 
+#: How an image folder's or arrays' records are scaled where the schema gives no image-mean
+#: and image-std (:class:`Schema`).
+INPUT_SCALINGS = ("per-record", "none")
+
+
 @dataclass(frozen=True)
 class Schema:
     """What every silo's records look like.
@@ -153,7 +158,12 @@ class Schema:
     - ``features``, ``label``, ``missing``: a table's columns in order, its label column and
       the rule for missing values (:data:`MISSING_RULES`);
     - ``image_mean``, ``image_std``: per-channel normalisation after pixels are scaled to
-      [0, 1] (one value for every channel, or one per channel; empty: none).
+      [0, 1] (one value for every channel, or one per channel; empty: none);
+    - ``input_scaling``: where image-mean / image-std are not given, what an image folder's
+      or arrays' records go through before the model sees them (:data:`INPUT_SCALINGS`):
+      ``per-record``, each record to mean 0 and standard deviation 1 over its own values,
+      so that one learning rate serves records stored in any range (0..255 pixels, [0, 1],
+      already standardised), or ``none``, as read (docs/own-data.md#input-scaling).
     """
 
     input_shape: tuple[int, ...]
@@ -164,6 +174,7 @@ class Schema:
     missing: str = "refuse"
     image_mean: tuple[float, ...] = ()
     image_std: tuple[float, ...] = ()
+    input_scaling: str = "per-record"
 
     def __post_init__(self) -> None:
         if self.class_names and len(self.class_names) != self.num_classes:
@@ -182,6 +193,8 @@ class Schema:
             raise ValueError("image-std values must be positive")
         if bool(self.image_mean) != bool(self.image_std):
             raise ValueError("image-mean and image-std are set together")
+        if self.input_scaling not in INPUT_SCALINGS:
+            raise ValueError(f"input-scaling must be one of {', '.join(INPUT_SCALINGS)}")
 
     @property
     def feature_width(self) -> int:

@@ -34,6 +34,7 @@ def check(
     """Read this silo's records as `dpcfl client` would and show, here only, what they look
     like and whether they fit the federation's schema. Exit 2 if they cannot be read or do
     not fit."""
+    from ..data.scaling import scaled_inputs  # noqa: PLC0415
     from ..data.summary import summarise  # noqa: PLC0415
     from ..silo.silo import client_records  # noqa: PLC0415 (torch, once flags parse)
 
@@ -45,6 +46,8 @@ def check(
         path = schema_file or (Path(settings.schema_file) if settings.schema_file else None)
         schema = load_schema(path) if path else None
         data = client_records(settings, schema)
+        if schema is not None:  # the values the model will see (docs/own-data.md#input-scaling)
+            data = scaled_inputs(data, schema, settings.data_source or "")
     except (ConfigError, DataError, ValueError, OSError) as exc:
         stop([str(exc)])
         return
@@ -58,7 +61,8 @@ def check(
     table.add_row("training records per class",
                   ", ".join(f"{c}: {n}" for c, n in enumerate(summary.class_counts)))
     low, high, mean = summary.value_range
-    table.add_row("input values (min / max / train mean)", f"{low:.4g} / {high:.4g} / {mean:.4g}")
+    table.add_row("input values as the model sees them (min / max / train mean)",
+                  f"{low:.4g} / {high:.4g} / {mean:.4g}")
     table.add_row("schema", str(path) if path else "none given: shape and classes not checked")
     table.add_row("fits the schema", "n/a" if schema is None
                   else "yes" if summary.problem is None else "no (below)")

@@ -86,6 +86,10 @@ class SiloInfo:
     #: Epsilon its ledger held when it joined this run (earlier runs' spend): the budget this
     #: run can use is what is left, so its noise is larger than a fresh silo's.
     epsilon_spent_before: float = 0.0
+    #: the learning rate it chose privately among the run's candidates, as it reported it
+    #: (docs/algorithm.md#choosing-the-learning-rate); None before it chose, or when the
+    #: run sets one
+    learning_rate: float | None = None
 
 
 @dataclass
@@ -181,6 +185,16 @@ class Method(ABC):
     def stage(self, server_round: int) -> str:
         """A name for the round's phase (logs, results)."""
         return "train"
+
+    def chooses_learning_rate(self) -> bool:
+        """Whether silos choose their learning rate privately when the run sets none
+        (docs/algorithm.md#choosing-the-learning-rate): DP-SGD methods do."""
+        return True
+
+    def tuning_round(self) -> int:
+        """The first round in which a silo may choose its learning rate: its first round of
+        regular training."""
+        return 1
 
     def round_batch(self, server_round: int) -> int | Literal["full"]:
         """Expected batch size of the round's DP-SGD steps, or "full" (rate 1)."""

@@ -69,6 +69,11 @@ class DPrivacyCFL(Method):
     def silo_settings(self, server_round: int, cluster: int) -> dict[str, Any]:
         return {"privatiser": "dprivacy"}
 
+    def chooses_learning_rate(self) -> bool:
+        """No: a silo's choice would be a release d-privacy's ledger does not cover; a run
+        without a learning rate trains at the rule's middle candidate."""
+        return False
+
     def stage(self, server_round: int) -> str:
         return "random" if server_round == 1 and self.n_clusters > 1 else "choose"
 

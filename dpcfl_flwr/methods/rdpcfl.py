@@ -27,6 +27,7 @@ from ..clustering import (
     load_mixture_code,
     switch_round,
 )
+from ..clustering.model_order import ModelOrder, fit_model_order
 from ..config.registry import register
 from ..config.settings import ExperimentConfig
 from ..privacy.schedule import Schedule
@@ -39,8 +40,12 @@ logger = logging.getLogger(__name__)
 class RDPCFLParams(SelectionParams):
     """``[rdpcfl]``: R-DPCFL's own parameters (docs/algorithm.md#hyper-parameters-and-defaults)."""
 
-    n_clusters: int = Field(4, ge=0, description="M; 0: chosen by maximum MSS")
+    n_clusters: int = Field(0, ge=0, description="M; 0: chosen from round 1 (m-choice)")
     max_clusters: int = Field(10, ge=2, description="largest M tried when n-clusters = 0")
+    m_choice: Literal["null", "max-mss"] = Field(
+        "null", description="with n-clusters = 0: each candidate M against a null of no "
+        "structure, M = 1 when none stands out (docs/algorithm.md#choosing-m); or the "
+        "authors' largest MSS, which over-splits")
     pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
     cluster_init: Literal["theta-init", "client0"] = "theta-init"
     first_batch: str = Field("full", description="round 1's batch: 'full' or a record count")
@@ -105,6 +110,15 @@ class ClusteringOutcome:
     mixture: str = "spherical"
     noise_variances: list[float] | None = None
     estimated_noise_variances: list[float] | None = None
+    #: with M chosen against the null (docs/algorithm.md#choosing-m): per candidate, the
+    #: evidence (log-MSS standard deviations above the null's) and the null's 95% MSS
+    m_evidence: dict[int, float] | None = None
+    null_mss: dict[int, float] | None = None
+
+
+def _order_figures(order: ModelOrder | None) -> tuple[dict[int, float] | None,
+                                                      dict[int, float] | None]:
+    return (None, None) if order is None else (order.evidence, order.null_mss)
 
 
 @register
@@ -154,6 +168,11 @@ class RDPCFL(Method):
         if server_round in self.select_window():
             return "select"
         return "frozen"
+
+    def tuning_round(self) -> int:
+        """Round 2: round 1 is the full-batch step whose updates are clustered, at one
+        learning rate for every silo (the clustering does not depend on its scale)."""
+        return 2
 
     def round_batch(self, server_round: int) -> int | Literal["full"]:
         if server_round == 1:
@@ -208,24 +227,31 @@ class RDPCFL(Method):
         e, p = self.experiment, self.params
         candidates = range(2, min(p.max_clusters, len(partitions) - 1) + 1)
         matrix = StackedRows([updates[p] for p in partitions])  # read a column block at a time
+        planned = self._planned_noise(replies, partitions)
         fitted: UpdateClusterer
         if p.clustering == "noise-aware":
             fitted = NoiseAwareClusterer(
                 p.n_clusters or None, candidates, random_state=e.seed,
-                n_components=p.pca_components or None, noise_source=p.noise_source,
-            ).fit(matrix, self._planned_noise(replies, partitions))
+                n_components=p.pca_components or None, noise_source=p.noise_source)
         else:
-            _warn_if_noise_differs(self._planned_noise(replies, partitions))
+            _warn_if_noise_differs(planned)
             fitted = UpdateClusterer(p.n_clusters or None, candidates, random_state=e.seed,
-                                     n_components=p.pca_components or None).fit(matrix)
+                                     n_components=p.pca_components or None)
+        order = None
+        if p.n_clusters == 0 and p.m_choice == "null":
+            order = fit_model_order(fitted, matrix, planned, seed=e.seed)
+        else:
+            fitted.fit(matrix, planned)
         self.pi = {p: fitted.responsibilities_[i] for i, p in enumerate(partitions)}
-        self.switch = switch_round(fitted.mpo_, e.num_server_rounds)
+        # one cluster: nothing to choose between, so no selection; every round trains it
+        self.switch = (e.num_server_rounds if fitted.n_clusters_ == 1
+                       else switch_round(fitted.mpo_, e.num_server_rounds))
         self.clustering = ClusteringOutcome(
             partitions, fitted.n_clusters_, fitted.mss_, fitted.mpo_, self.switch,
             fitted.n_iter_, fitted.converged_, fitted.labels_.tolist(),
             fitted.responsibilities_.tolist(), fitted.points_.tolist(), fitted.means_.tolist(),
             fitted.radii_.tolist(), fitted.candidate_mss_, p.clustering,
-            *self._noise_levels(fitted))
+            *self._noise_levels(fitted), *_order_figures(order))
         self.state.models = [self._reset_model(updates, partitions)
                              for _ in range(fitted.n_clusters_)]
         logger.info("round 1 clustering: M=%d, MSS=%.3f, MPO=%.3g, E_c=%d, EM iterations=%d",
@@ -235,7 +261,7 @@ class RDPCFL(Method):
                        partitions: list[int]) -> list[float | None]:
         """v_i from each silo's reported plan: K eta^2 z_i^2 c^2 / N_i^2 per coordinate (the
         reply's variance is at learning rate 1; docs/algorithm.md#noise-aware-clustering)."""
-        rate = self.experiment.learning_rate**2
+        rate = self.experiment.base_learning_rate**2
         reported = [replies[p].noise_variance for p in partitions]
         return [None if v is None else rate * v for v in reported]
 

@@ -20,6 +20,12 @@ from .history import DEFAULT_ACCOUNTANT, UNNAMED_ACCOUNTANT, AccountantName
 from .rdp import DEFAULT_ORDERS, sgm_rdp
 
 FULL_BATCH = "full"
+#: The most learning rates a run may propose to choose among: the round that chooses trains
+#: one model per candidate, so this bounds its work (a silo refuses more).
+MAX_TUNED_RATES = 8
+#: The budget share of the learning rate's private choice in a schedule that plans no other
+#: selection (the baselines'); R-DPCFL's choice takes its selections' share, 3% by default.
+TUNING_SELECT_RATIO = 0.03
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,15 @@ def two_stage_schedule(
     return [first, round_phase(num_samples, batch_size, epochs, rounds - 1, exact)]
 
 
+def tuning_phases(num_samples: int, batch_size: int | str, epochs: int,
+                  candidates: int) -> list[GaussianPhase]:
+    """The steps a learning-rate choice among ``candidates`` adds to a schedule: the round
+    that chooses trains one model per candidate, where the schedule counted one."""
+    if candidates < 2:
+        return []
+    return [round_phase(num_samples, batch_size, epochs, candidates - 1)]
+
+
 def schedule_rdp(
     phases: Sequence[GaussianPhase], noise_multiplier: float,
     orders: Sequence[float] = DEFAULT_ORDERS,
@@ -118,6 +133,16 @@ class Schedule:
     #: the accountant the server proposes (docs/privacy.md#pld-accounting); a silo measures
     #: its spend with its own (``accountant`` in its node config)
     accountant: AccountantName = DEFAULT_ACCOUNTANT
+    #: learning rates each silo chooses among in its first training round (0: the run sets
+    #: one): that round trains one model per candidate and selects one privately, so the
+    #: plan holds tune_candidates - 1 more rounds of steps and one more selection
+    #: (docs/algorithm.md#choosing-the-learning-rate)
+    tune_candidates: int = 0
+
+    @property
+    def selections(self) -> int:
+        """Private selections the run plans: T_sel, and the learning rate's if it is chosen."""
+        return self.select_rounds + (1 if self.tune_candidates else 0)
 
     def to_config(self) -> dict[str, Any]:
         config = {
@@ -131,6 +156,8 @@ class Schedule:
             config["epsilon-target"] = self.epsilon_target
         if self.accountant != UNNAMED_ACCOUNTANT:  # RDP runs keep the key they were planned by
             config["accountant"] = self.accountant
+        if self.tune_candidates:  # absent otherwise: runs with a set learning rate keep theirs
+            config["tune-candidates"] = self.tune_candidates
         return config
 
     def key(self) -> str:

@@ -15,6 +15,7 @@ step of every scalar is the round number. Tags (docs/experiments.md#watching-a-r
 ``clusters/<m>/silos``         silos that trained cluster m's model this round
 ``silo/<p>/test-accuracy``     silo p's test accuracy (evaluation rounds)
 ``silo/<p>/epsilon-spent``     silo p's spend after the round
+``silo/<p>/learning-rate``     the learning rate silo p chose, once it has
 
 The values are the ones ``results.json`` records for the round (``rounds``; the spend per silo
 is its last known figure). A resumed run opens its writer with ``purge_step`` = the first round
@@ -131,6 +132,8 @@ def round_scalars(strategy: ClusteredStrategy, report: RoundReport) -> dict[str,
         scalars[f"silo/{partition}/test-accuracy"] = accuracy
     for partition, epsilon in sorted(spent.items()):
         scalars[f"silo/{partition}/epsilon-spent"] = epsilon
+    for partition, silo in sorted(strategy.silos.items()):
+        scalars[f"silo/{partition}/learning-rate"] = silo.learning_rate
     return {tag: float(v) for tag, v in scalars.items() if _known(v)}
 
 

@@ -180,7 +180,7 @@ class RunRecorder:
              "epsilon_spent_before_run": s.epsilon_spent_before,
              "delta": s.delta, "noise_multiplier": s.noise_multiplier,
              "batch_size": s.batch_size, "aggregation_weight": s.weight,
-             "dprivacy_leakage": s.dprivacy_leakage,
+             "dprivacy_leakage": s.dprivacy_leakage, "learning_rate": s.learning_rate,
              "num_train": s.num_train, "dropped_rounds": s.dropped_rounds,
              "refused_rounds": s.refused_rounds, "exhausted": s.exhausted}
             for p, s in sorted(strategy.silos.items())

@@ -23,7 +23,7 @@ from ..privacy.dprivacy import sanitize_update
 from ..privacy.ledger import DPrivacyRelease
 from ..privacy.metrics import LOSS_BOUND
 from .privatiser import Privatiser, RoundOutcome, RoundWork
-from .requests import TrainRequest
+from .requests import BadRequest, TrainRequest
 from .silo import BudgetExceeded, Silo
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,12 @@ class EuclideanLaplace(Privatiser):
     name = "dprivacy"
 
     def check(self, request: TrainRequest, selecting: bool) -> None:
-        """Every accepted request can be served: the choice among hypotheses is by loss and
-        costs no budget share (paper 004 leaves it unprotected)."""
+        """The choice among hypotheses is by loss and costs no budget share (paper 004 leaves
+        it unprotected); a learning-rate choice, whose selection would need one, is refused:
+        a d-privacy run sets its learning rate."""
+        if request.candidate_rates:
+            raise BadRequest("train message: 'learning-rate-candidates' is for DP-SGD silos; "
+                             "a d-privacy run sets its learning rate")
 
     def run(self, silo: Silo, request: TrainRequest, work: RoundWork) -> RoundOutcome:
         """Check the leakage budget, choose (of several hypotheses, the best fit), train with

@@ -15,8 +15,9 @@ from flwr.app import Message
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config.validation import ConfigError, ConfigModel, one_line_error
+from ..data.schema import parse_floats
 from ..privacy.defaults import UNNAMED_ACCOUNTANT, AccountantName, BudgetMode, Conversion
-from ..privacy.schedule import Schedule
+from ..privacy.schedule import MAX_TUNED_RATES, Schedule
 from ..protocol import CONFIG, OWN
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
@@ -72,6 +73,10 @@ class TrainRequest(_Request):
     accountant: AccountantName = UNNAMED_ACCOUNTANT
     # how the run expects the silo to privatise; the silo refuses one that is not its own
     privatiser: Literal["dpsgd", "dprivacy"] = "dpsgd"
+    # the schedule's learning-rate choice: how many candidates its plan holds (0: none), and,
+    # in the round that chooses, the candidates (docs/algorithm.md#choosing-the-learning-rate)
+    tune_candidates: int = Field(0, ge=0, le=MAX_TUNED_RATES)
+    learning_rate_candidates: str = ""
 
     @field_validator("round_batch", "first_batch", mode="before")
     @classmethod
@@ -83,11 +88,35 @@ class TrainRequest(_Request):
         # MR-MTL's step moves theta - anchor to (1 - lr lambda)(theta - anchor) - lr g: with
         # lr lambda >= 2 that factor is <= -1, so the distance never shrinks and (above 2)
         # grows every step: a round that must end in overflow, not one worth a charge
-        if self.learning_rate * self.prox_lambda >= 2.0:
+        largest = max((self.learning_rate, *self.candidate_rates))
+        if largest * self.prox_lambda >= 2.0:
             raise ValueError(f"'learning-rate' x 'prox-lambda' = "
-                             f"{self.learning_rate * self.prox_lambda:g} must stay below 2, "
+                             f"{largest * self.prox_lambda:g} must stay below 2, "
                              "else the proximal step diverges")
         return self
+
+    @field_validator("learning_rate_candidates")
+    @classmethod
+    def _valid_candidates(cls, value: str) -> str:
+        rates = parse_floats(value)
+        if rates and not (2 <= len(rates) <= MAX_TUNED_RATES and min(rates) > 0):
+            raise ValueError(f"'learning-rate-candidates' must hold 2 to {MAX_TUNED_RATES} "
+                             "positive numbers")
+        return value
+
+    @model_validator(mode="after")
+    def _planned_choice(self) -> TrainRequest:
+        # a round that chooses trains as many models as its candidates: the plan must hold
+        # that many, or the silo would train more than its noise was calibrated for
+        if self.candidate_rates and len(self.candidate_rates) != self.tune_candidates:
+            raise ValueError(f"{len(self.candidate_rates)} 'learning-rate-candidates' where "
+                             f"the schedule's 'tune-candidates' plans {self.tune_candidates}")
+        return self
+
+    @property
+    def candidate_rates(self) -> tuple[float, ...]:
+        """The learning rates this round chooses among (empty: it trains at learning-rate)."""
+        return parse_floats(self.learning_rate_candidates)
 
     @property
     def batch(self) -> int | Literal["full"]:
@@ -100,7 +129,7 @@ class TrainRequest(_Request):
         return Schedule(self.rounds, self.local_epochs, self.batch_size,
                         "full" if first == "full" else int(first), self.select_rounds,
                         self.select_ratio, self.conversion, self.budget_mode, self.evaluations,
-                        self.epsilon_target, self.accountant)
+                        self.epsilon_target, self.accountant, self.tune_candidates)
 
 
 class EvaluateRequest(_Request):

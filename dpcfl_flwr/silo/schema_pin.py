@@ -28,7 +28,7 @@ from .requests import BadRequest
 SCHEMA_KEYS = {"input_shape": "input-shape", "num_classes": "num-classes",
                "class_names": "class-names", "features": "features", "label": "label-column",
                "missing": "missing-values", "image_mean": "image-mean",
-               "image_std": "image-std"}
+               "image_std": "image-std", "input_scaling": "input-scaling"}
 
 
 class SchemaMismatch(BadRequest):

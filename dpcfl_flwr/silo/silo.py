@@ -24,6 +24,7 @@ import torch
 from ..config.settings import ConfigError, ExperimentConfig, SiloConfig
 from ..data import ClientData, DataError
 from ..data.arrays import check_schema
+from ..data.scaling import scaled_inputs
 from ..data.schema import Schema
 from ..data.sources import SCHEMA_FREE_SOURCES, SourceRequest, load_records
 from ..dpsgd.engine_choice import EngineChoice
@@ -50,7 +51,7 @@ from ..privacy.ledger import (
     ledger_lock,
 )
 from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
-from ..privacy.schedule import Schedule, steps_per_round, two_stage_schedule
+from ..privacy.schedule import Schedule, steps_per_round, tuning_phases, two_stage_schedule
 from ..privacy.selection import accuracy_sensitivity, select_cluster
 from ..runs.heap import give_back_freed_memory
 from .limits import refuse_beyond_limits
@@ -198,7 +199,7 @@ class Silo:
         where = (f"silo {self.silo.partition_id}: records "
                  f"{self.silo.data_path or self.silo.dataset}")
         check_schema(data, schema.input_shape, schema.num_classes, where)
-        return data
+        return scaled_inputs(data, schema, self.silo.data_source or "")
 
     @property
     def true_cluster(self) -> int:
@@ -336,12 +337,13 @@ class Silo:
         take their share of the budget as the budget mode says
         (docs/privacy.md#calibrating-z)."""
         n, b = self.data.num_train, self.budget
-        phases = two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
+        phases = (two_stage_schedule(n, s.batch_size, s.local_epochs, s.rounds, s.first_batch)
+                  + tuning_phases(n, s.batch_size, s.local_epochs, s.tune_candidates))
         history = self.ledger.history(self._reserved_metrics(s))
         target = self._run_target(spent_before, s.epsilon_target)
         try:
             if not self.ledger.entries:
-                plan = plan_noise(phases, target, b.delta, s.select_rounds, s.select_ratio,
+                plan = plan_noise(phases, target, b.delta, s.selections, s.select_ratio,
                                   s.conversion, s.budget_mode, history=history,
                                   accountant=b.accountant)
                 return SiloPlan(plan.noise_multiplier, plan.split.epsilon_select, s.key(),
@@ -349,7 +351,7 @@ class Silo:
             # Earlier runs already spent part of the budget: fit this run into what is left,
             # its selections taking their share of what this run may spend.
             eps_select = s.select_ratio * max(target - spent_before, 0.0)
-            history = history + History.of_selections(eps_select, s.select_rounds)
+            history = history + History.of_selections(eps_select, s.selections)
             z = accountant_named(b.accountant).calibrate(phases, target, b.delta,
                                                          s.conversion, history)
         except ValueError as exc:

@@ -16,6 +16,7 @@ turns its decisions into messages and folds the replies back (docs/protocol.md).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterable
@@ -31,6 +32,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from ..config import registry
 from ..config.settings import ExperimentConfig
 from ..methods.base import INITIAL, Method, ServerState, SiloInfo, TrainReply
+from ..privacy.schedule import TUNING_SELECT_RATIO, Schedule
 from ..protocol import (
     ARRAYS,
     CONFIG,
@@ -211,25 +213,53 @@ class ClusteredStrategy(Strategy):
             else:
                 model = packed(cluster)
                 models = {} if model is None else {ARRAYS: model}
-            content = one_record(CONFIG, self.train_config(server_round, cluster),
+            content = one_record(CONFIG, self.train_config(server_round, cluster, partition),
                                  {**models, **extra})
             messages[partition] = Message(content, dst_node_id=self.silos[partition].node_id,
                                           message_type="train", ttl=self._ttl())
         return messages
 
-    def train_config(self, server_round: int, cluster: int) -> dict[str, Any]:
-        """The fields of a train message (docs/protocol.md#train)."""
+    def train_config(self, server_round: int, cluster: int,
+                     partition: int | None = None) -> dict[str, Any]:
+        """The fields of a train message to silo ``partition`` (docs/protocol.md#train)."""
         e, method = self.experiment, self.method
         return {
             "server-round": server_round, "stage": method.stage(server_round),
             "cluster": cluster, "round-batch": str(method.round_batch(server_round)),
-            "learning-rate": e.learning_rate, "clip-norm": e.clip_norm,
+            "clip-norm": e.clip_norm,
             "personal": int(method.personal), "run-key": self.run_key,
-            **replace(method.schedule(), evaluations=self.evaluations(),
-                      epsilon_target=self.epsilon_target(),
-                      accountant=e.accountant).to_config(),
+            **replace(self._schedule(), evaluations=self.evaluations(),
+                      epsilon_target=self.epsilon_target(), accountant=e.accountant).to_config(),
+            **self._learning_rate(server_round, partition),
             **method.silo_settings(server_round, cluster),
         }
+
+    def _schedule(self) -> Schedule:
+        """The method's schedule, with the learning rate's choice where silos choose it (and
+        a budget share for its selection where the method plans none)."""
+        schedule, grid = self.method.schedule(), self.learning_rate_grid()
+        if not grid:
+            return schedule
+        return replace(schedule, tune_candidates=len(grid),
+                       select_ratio=schedule.select_ratio or TUNING_SELECT_RATIO)
+
+    def learning_rate_grid(self) -> tuple[float, ...]:
+        """The learning rates silos choose among (empty: the run sets one, or its method
+        lets no silo choose)."""
+        return self.experiment.tuned_learning_rates if self.method.chooses_learning_rate() \
+            else ()
+
+    def _learning_rate(self, server_round: int, partition: int | None) -> dict[str, Any]:
+        """The round's learning rate for a silo: the run's; else the one the silo chose; else,
+        from the method's tuning round on, the candidates to choose among
+        (docs/algorithm.md#choosing-the-learning-rate)."""
+        grid, base = self.learning_rate_grid(), self.experiment.base_learning_rate
+        chosen = None if partition is None else self.silos[partition].learning_rate
+        if not grid or chosen is not None:
+            return {"learning-rate": chosen or base}
+        if server_round < self.method.tuning_round():
+            return {"learning-rate": base}
+        return {"learning-rate": base, "learning-rate-candidates": ",".join(map(repr, grid))}
 
     def epsilon_target(self) -> float:
         """``aggregation = "min-eps"``: the smallest budget the silos claim, fixed when first
@@ -282,6 +312,7 @@ class ClusteredStrategy(Strategy):
             batch = known_number(reply.metrics, "batch-size")
             silo.batch_size = None if batch is None else int(batch)
             silo.dprivacy_leakage = known_number(reply.metrics, "dprivacy-leakage")
+            self._note_learning_rate(server_round, partition, reply)
         for partition, multiple in far_off_updates(good).items():
             del good[partition]
             self._drop_unusable(server_round, partition, f"its update's norm is {multiple:.3g} "
@@ -373,14 +404,31 @@ class ClusteredStrategy(Strategy):
                     report.stage, len(report.trained), report.cluster_sizes(self.n_clusters),
                     report.seconds, accuracy)
 
+    def _note_learning_rate(self, server_round: int, partition: int,
+                            reply: TrainReply) -> None:
+        """Keep the learning rate a silo chose (one of the candidates it was sent; a DP
+        release, the exponential mechanism's), to send it in its later rounds."""
+        silo, grid = self.silos[partition], self.learning_rate_grid()
+        rate = known_number(reply.metrics, "learning-rate")
+        if silo.learning_rate is not None or not grid or rate is None:
+            return
+        if not any(math.isclose(rate, g, rel_tol=1e-9) for g in grid):
+            return  # a round before its choice, trained at the base rate
+        silo.learning_rate = rate
+        logger.info("round %d: silo %d chose learning rate %.4g", server_round, partition,
+                    rate)
+
     # --- the run ------------------------------------------------------------------------------
     def summary(self) -> None:
         e = self.experiment
         own = "".join(f", {key}={value}" for key, value in
                       e.params.model_dump(by_alias=True).items())
-        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, lr=%g, c=%g%s",
+        grid = self.learning_rate_grid()
+        rate = (f"lr chosen by each silo among {', '.join(f'{g:.3g}' for g in grid)}"
+                if grid else f"lr={e.base_learning_rate:g}")
+        logger.info("%s: %d silos, M=%d, E=%d, eps=%g, delta=%g, b=%d, %s, c=%g%s",
                     self.name, len(self.silos), self.n_clusters, e.num_server_rounds, e.epsilon,
-                    e.delta, e.batch_size, e.learning_rate, e.clip_norm, own)
+                    e.delta, e.batch_size, rate, e.clip_norm, own)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
