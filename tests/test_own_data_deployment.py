@@ -171,7 +171,8 @@ def test_three_silos_train_on_their_own_tables_over_tls_with_installed_plugins(t
         for index in own:
             deployment.silo(index)
         run_config = {"method": '"global"', "model": '"logreg"', "num-classes": 2,
-                      "features": f'"{example.features_schema()}"', "label-column": '"binexp"',
+                      "features": f'"{example.features_schema()}"',
+                      "label-column": f'"{example.LABEL}"',
                       "missing-values": '"fill"', "num-server-rounds": 6, "eval-every": 3,
                       "batch-size": 64, "learning-rate": 0.1, "clip-norm": 1.0,
                       "epsilon": 5.0}
