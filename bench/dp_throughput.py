@@ -40,7 +40,7 @@ from dpcfl_flwr.models import ModelSpec, build, build_model  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SIZES = {"cnn": {"n": 2048, "shape": (1, 28, 28)}, "resnet18": {"n": 192, "shape": (3, 32, 32)},
-         "mlp": {"n": 4096, "shape": (18,)}}  # the MLP on a table of 18 numbers (RAND HIE's)
+         "mlp": {"n": 4096, "shape": (18,)}}  # the MLP on a RAND HIE-sized table
 
 
 def _model(name: str) -> nn.Module:
