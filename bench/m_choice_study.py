@@ -164,7 +164,7 @@ def _table(rows: dict[tuple[str, float, str, str], list[tuple[int, float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--epsilons", default="10,3")
+    parser.add_argument("--epsilons", default="10,5,3")
     parser.add_argument("--scenarios", default="rotation-21,rotation-10,labelflip-10,iid-10,"
                         "iid-21")
     parser.add_argument("--no-append", action="store_true")

@@ -18,7 +18,7 @@ from dpcfl_flwr.privacy.budget import plan_noise
 from dpcfl_flwr.privacy.schedule import round_phase, two_stage_schedule
 
 GROUPS = (3, 3)
-TRAIN, TEST = 300, 200
+TRAIN, TEST = 500, 200
 
 
 def _raw(x):

@@ -427,6 +427,7 @@ class NoisySilo(ScriptedSilo):
 def _run(clustering: str, source: str = "larger", scales: dict[int, float] | None = None):
     experiment = parse_run_config({
         "clusters": "2,3,3", "rdpcfl.n-clusters": 0, "rdpcfl.max-clusters": 4,
+        "rdpcfl.m-choice": "max-mss", "learning-rate": 0.005,  # the mixtures, not M or lr
         "num-server-rounds": 4, "rdpcfl.clustering": clustering,
         "rdpcfl.noise-source": source, "eval-every": 4, "out-dir": "unused"})
     initial = initial_arrays(experiment)
@@ -461,7 +462,7 @@ def test_rdpcfl_noise_aware_clustering_through_the_strategy(server_task_identity
     assert strategy.method.switch == math.floor((1 - outcome.mpo) * 4 / 2)
 
 
-def test_rdpcfl_default_is_todays_spherical_gmm(server_task_identity, caplog):
+def test_the_spherical_gmm_clusters_by_noise_and_says_so(server_task_identity, caplog):
     with caplog.at_level(logging.WARNING):
         strategy, _ = _run("spherical")
     # the silos report 100x different noise variances: the operator is told what to use

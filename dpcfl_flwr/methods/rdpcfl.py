@@ -50,8 +50,8 @@ class RDPCFLParams(SelectionParams):
     cluster_init: Literal["theta-init", "client0"] = "theta-init"
     first_batch: str = Field("full", description="round 1's batch: 'full' or a record count")
     clustering: Literal["spherical", "noise-aware"] = Field(
-        "spherical", description="round 1's mixture: the authors' spherical GMM, or one that "
-        "knows each silo's own noise level (docs/algorithm.md#noise-aware-clustering)")
+        "noise-aware", description="round 1's mixture: one that knows each silo's own noise "
+        "level (docs/algorithm.md#noise-aware-clustering), or the authors' spherical GMM")
     noise_source: Literal["plan", "estimate", "larger"] = Field(
         "larger", description="noise-aware: each silo's noise variance from its reported "
         "noise plan, estimated from its update, or the larger of the two")

@@ -127,11 +127,17 @@ def summary_table(results: dict[str, Any]) -> Table:
         table.add_row(f"minority (cluster {summary['minority_cluster']}) accuracy",
                       percent(summary.get("minority_accuracy")))
         table.add_row("majority accuracy", percent(summary.get("majority_accuracy")))
+    one = clustering.get("n_clusters") == 1  # no pair to separate: MSS, MPO, E_c say nothing
+    if one:
+        table.add_row("clusters M", "1: nothing in round 1 stood out of the DP noise "
+                      "(docs/algorithm.md#choice-of-m)")
     for key, label in (("n_clusters", "clusters M"), ("mss", "MSS"), ("mpo", "MPO"),
                        ("switch_round", "switch round E_c"), ("em_iterations", "EM iterations"),
                        ("ari", "ARI round 1"), ("final_ari", "ARI final"),
                        ("found_structure", "full structure found"),
                        ("minority_isolated", "minority isolated")):
+        if one and key in ("n_clusters", "mss", "mpo", "switch_round", "em_iterations"):
+            continue
         if clustering.get(key) is not None:
             value = clustering[key]
             table.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
