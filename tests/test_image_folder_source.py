@@ -224,3 +224,22 @@ def test_a_bad_folder_is_refused_before_any_charge(tmp_path, server_task_identit
     assert reply.has_error() and "img-001.png" not in reply.error.reason
     assert "img-001.png: does not decode as an image" in caplog.text  # the operator's log
     assert not attacker.ledger_path.exists() or not attacker.ledger().entries
+
+
+def test_the_check_counts_images_converted_or_resized(tmp_path):
+    """Three grayscale 28 x 28 images, two RGB ones, one 20 x 20 one and one stored 28 x 20
+    but turned upright by its EXIF orientation (20 x 28 once turned): the reader converts 2
+    and resizes 2, as the header-only count says."""
+    from dpcfl_flwr.data.image_folder import adjusted_images
+
+    _folder(tmp_path, {"0": 3})
+    rgb = np.zeros((28, 28, 3), dtype=np.uint8)
+    for index in range(2):
+        Image.fromarray(rgb).save(tmp_path / "0" / f"rgb-{index}.png")
+    _write(tmp_path / "0", "small.png", np.zeros((20, 20), dtype=np.uint8))
+    turned = Image.fromarray(np.zeros((20, 28), dtype=np.uint8))  # width 28, height 20
+    exif = turned.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees on display: 20 wide, 28 high
+    turned.save(tmp_path / "0" / "turned.jpg", exif=exif)
+    assert adjusted_images(tmp_path, Schema((1, 28, 28), 10)) == (2, 2)
+    assert adjusted_images(tmp_path, Schema((1, 28, 20), 10)) == (2, 6)  # only "turned" fits

@@ -194,6 +194,30 @@ def _visible(folder: Path) -> list[Path]:
         raise DataError(f"{folder}: cannot be listed ({exc.strerror})") from None
 
 
+#: EXIF orientations that turn an image by 90 degrees, so its stored width is its height.
+_QUARTER_TURNS = {5, 6, 7, 8}
+
+
+def adjusted_images(root: Path, schema: Schema) -> tuple[int, int]:
+    """How many of the folder's images the reader converts to the schema's channels, and how
+    many it resizes to the schema's height x width, from each file's header alone (no pixel
+    is decoded): ``dpcfl data check`` says so, since a converted or resized image is not the
+    image the silo stored."""
+    channels, height, width = _image_shape(schema, root)
+    converted = resized = 0
+    for image in _listed(root, schema):
+        try:
+            with Image.open(image.path) as opened:
+                converted += opened.mode != _MODES[channels]
+                size = opened.size
+                if opened.getexif().get(0x0112) in _QUARTER_TURNS:  # Orientation
+                    size = size[::-1]
+                resized += size != (width, height)
+        except Exception:  # noqa: BLE001 - the reader refuses it, naming the file
+            continue
+    return converted, resized
+
+
 def _decoded(path: Path, shape: tuple[int, int, int]) -> np.ndarray:
     """The pixels (uint8, C x H x W) of the image at ``path``, in the schema's channels and
     size."""

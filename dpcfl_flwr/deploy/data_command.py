@@ -10,8 +10,9 @@ import typer
 from rich.table import Table
 
 from ..config.config_file import load_schema
-from ..config.settings import ConfigError
+from ..config.settings import ConfigError, SiloConfig
 from ..data.readers import DataError
+from ..data.schema import Schema
 from .silo_file import deployed_settings, load_silo_file
 from .supervision import console, stop
 
@@ -66,7 +67,27 @@ def check(
     table.add_row("schema", str(path) if path else "none given: shape and classes not checked")
     table.add_row("fits the schema", "n/a" if schema is None
                   else "yes" if summary.problem is None else "no (below)")
-    table.add_row("warnings", "\n".join(summary.warnings) or "none")
+    said = summary.warnings + _adjustments(settings, schema)
+    table.add_row("warnings", "\n".join(said) or "none")
     console.print(table)
     if summary.problem is not None:
         stop([summary.problem])
+
+
+def _adjustments(settings: SiloConfig, schema: Schema | None) -> list[str]:
+    """An image folder's images the reader converts or resizes, as warnings (none for other
+    sources, or without a schema to compare with)."""
+    if settings.data_source != "image-folder" or schema is None:
+        return []
+    from ..data.image_folder import adjusted_images  # noqa: PLC0415 (Pillow, once flags parse)
+
+    converted, resized = adjusted_images(Path(settings.data_path or "."), schema)
+    channels, height, width = schema.input_shape
+    said = []
+    if converted:
+        said.append(f"{converted} images converted to {channels} channel(s): the model sees "
+                    "them so, not as stored")
+    if resized:
+        said.append(f"{resized} images resized to {height} x {width}: check the schema's "
+                    "input-shape is the images' own size")
+    return said
