@@ -1,6 +1,6 @@
 """How many clusters the round-1 updates hold: each candidate M against a null of no structure.
 
-docs/algorithm.md#choosing-m states the rule; this module computes it.
+docs/algorithm.md#choice-of-m states the rule; this module computes it.
 
 Picking M by the largest MSS alone prefers many small clusters: a component of one or two
 silos has a radius near zero, so its separation from the rest is large whatever the data.

@@ -44,7 +44,7 @@ class RDPCFLParams(SelectionParams):
     max_clusters: int = Field(10, ge=2, description="largest M tried when n-clusters = 0")
     m_choice: Literal["null", "max-mss"] = Field(
         "null", description="with n-clusters = 0: each candidate M against a null of no "
-        "structure, M = 1 when none stands out (docs/algorithm.md#choosing-m); or the "
+        "structure, M = 1 when none stands out (docs/algorithm.md#choice-of-m); or the "
         "authors' largest MSS, which over-splits")
     pca_components: int = Field(0, ge=0, description="0: M - 1 (at least 2); 2: the authors'")
     cluster_init: Literal["theta-init", "client0"] = "theta-init"
@@ -110,7 +110,7 @@ class ClusteringOutcome:
     mixture: str = "spherical"
     noise_variances: list[float] | None = None
     estimated_noise_variances: list[float] | None = None
-    #: with M chosen against the null (docs/algorithm.md#choosing-m): per candidate, the
+    #: with M chosen against the null (docs/algorithm.md#choice-of-m): per candidate, the
     #: evidence (log-MSS standard deviations above the null's) and the null's 95% MSS
     m_evidence: dict[int, float] | None = None
     null_mss: dict[int, float] | None = None
