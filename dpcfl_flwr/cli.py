@@ -383,12 +383,17 @@ def compare(
                                  "--cpus / K of a local Ray (or sharing the --ray-address "
                                  "cluster)."),
     ray_address: str = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    baselines: bool = typer.Option(
+        True, "--baselines/--no-baselines", help="Run local and majority (the majority-class "
+        "predictor) beside --methods, as rows of every table."),
 ) -> None:
     """Run methods x epsilons x seeds (each a full simulation), resuming finished runs, and
-    write summary.md / summary.csv / comparison.png in the paper's form."""
+    write summary.md / summary.csv / comparison.png in the paper's form, with accuracy,
+    balanced accuracy and (two classes) AUROC, local and majority beside the methods."""
     from .config.config_file import parse_override
     from .runs.compare import (
         apply_overrides,
+        baselines_for,
         load_grid_config,
         parse_numbers,
         plan_grid,
@@ -408,14 +413,16 @@ def compare(
         base, per_method = apply_overrides(
             *load_grid_config(config), dict(parse_override(item) for item in overrides or []),
             axis=rules is not None)
-        runs = plan_grid(method_list, eps_list, seed_list, out, rules)
+        added = baselines_for(method_list) if baselines else []
+        runs = plan_grid(method_list, eps_list, seed_list, out, rules, added)
         # soft_wrap: one event, one line, however long (the lines of cells run at once mix)
         failed = run_grid(runs, base, per_method, cpus, report=lambda line: console.print(
             line, highlight=False, soft_wrap=True), parallel=parallel, ray_address=ray_address)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
         return
-    table = write_reports(collect_cells(runs), variants(method_list, rules), eps_list, out)
+    table = write_reports(collect_cells(runs), variants(method_list, rules, added), eps_list,
+                          out)
     console.print(table)
     console.print(f"tables and plot in {out}/summary.md, summary.csv, comparison.png")
     if failed:

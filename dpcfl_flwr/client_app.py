@@ -216,6 +216,8 @@ def train(message: Message, context: Context) -> Message:
     metrics["epsilon-spent"] = silo.spent()
     if silo.silo.report_cpu_seconds:  # timing follows the Poisson sample: an opt-in
         metrics["cpu-seconds"] = clock() - started
+    if outcome.update is None or outcome.start is None:  # nothing trained (majority)
+        return reply(message, one_record(METRICS, metrics))
     if request.personal:
         # Local training: the model stays in the silo; only metrics leave it.
         trained = {k: outcome.start[k] + outcome.update[k] for k in outcome.start}

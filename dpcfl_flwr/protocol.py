@@ -12,6 +12,7 @@ validated in :mod:`dpcfl_flwr.silo.requests`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -20,6 +21,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from .flower_compat import array_chunk_size
+from .privacy.metrics import SCORE_BINS, EvaluationSums
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -33,6 +35,9 @@ OWN_MODEL = "own-model"
 SELECT = -1
 #: Train / evaluate the silo's own model, kept in its state (Local); no weights are sent.
 OWN = -3
+#: Predict one class for every record, the silo's most common training label chosen
+#: privately (the majority baseline); no weights are sent either way.
+MAJORITY = -4
 
 #: Error code of a silo refusing a round that would exceed its privacy budget.
 BUDGET_EXCEEDED = 4001
@@ -230,8 +235,69 @@ def batch_of(record: Mapping[str, Any], key: str) -> int | Literal["full"]:
     return "full" if text == "full" else int(text)
 
 
-def metric_record(values: Mapping[str, float | int]) -> MetricRecord:
+def metric_record(values: Mapping[str, float | int | list[float]]) -> MetricRecord:
     return MetricRecord(cast(dict[str, Any], dict(values)))
+
+
+def evaluation_fields(sums: EvaluationSums) -> dict[str, Any]:
+    """The figures of an evaluate reply (docs/protocol.md#evaluate) from a test split's sums:
+    ``num-examples``, ``test-loss``, ``test-accuracy``, per true class ``class-correct`` and
+    ``class-count``, for two classes ``score-histogram`` (class 0's bins, then class 1's),
+    and ``metrics-noise-std`` (the noise's standard deviation on each sum; 0: exact)."""
+    fields: dict[str, Any] = {
+        "num-examples": sums.count, "test-loss": float(sums.loss),
+        "test-accuracy": float(sums.accuracy),
+        "class-correct": [float(v) for v in sums.class_correct],
+        "class-count": [float(v) for v in sums.class_count],
+        "metrics-noise-std": float(sums.noise_std)}
+    if sums.score_histogram is not None:
+        fields["score-histogram"] = [float(v) for v in sums.score_histogram.reshape(-1)]
+    return fields
+
+
+def evaluation_of(record: Mapping[str, Any], num_classes: int) -> EvaluationSums:
+    """An evaluate reply's figures as sums (:func:`evaluation_fields` read back), checked
+    whole: every number finite, ``num-examples`` a positive integer, the noise's deviation
+    >= 0, one entry per class of the run (``num_classes``) and, exactly when it has two
+    classes, 2 x SCORE_BINS histogram bins. ValueError naming the first field at fault."""
+    missing = [key for key in ("num-examples", "test-accuracy", "test-loss",
+                               "metrics-noise-std") if key not in record]
+    if missing:
+        raise ValueError(f"no '{missing[0]}' in the reply")
+    count = number(record, "num-examples")
+    if not (count >= 1 and count == int(count)):
+        raise ValueError(f"'num-examples' must be a positive integer, got {count}")
+    numbers = {key: number(record, key) for key in ("test-accuracy", "test-loss",
+                                                     "metrics-noise-std")}
+    if not all(math.isfinite(v) for v in numbers.values()) or numbers["metrics-noise-std"] < 0:
+        raise ValueError(f"its figures must be finite and the noise's deviation >= 0, got "
+                         f"{numbers}")
+    lengths = {"class-correct": num_classes, "class-count": num_classes}
+    if num_classes == 2:
+        lengths["score-histogram"] = 2 * SCORE_BINS
+    elif "score-histogram" in record:
+        raise ValueError(f"'score-histogram' is for two classes; this run has {num_classes}")
+    lists = {key: _numbers(record, key, size) for key, size in lengths.items()}
+    histogram = lists.get("score-histogram")
+    return EvaluationSums(
+        int(count), numbers["test-accuracy"] * count, numbers["test-loss"] * count,
+        lists["class-correct"], lists["class-count"],
+        None if histogram is None else histogram.reshape(2, SCORE_BINS),
+        numbers["metrics-noise-std"])
+
+
+def _numbers(record: Mapping[str, Any], key: str, size: int) -> np.ndarray:
+    """A list field of ``size`` finite numbers."""
+    if key not in record:
+        raise ValueError(f"no '{key}' in the reply")
+    value = record[key]
+    if not isinstance(value, list) or len(value) != size:
+        raise ValueError(f"'{key}' must be a list of {size} numbers")
+    array = np.asarray([v if isinstance(v, int | float) and not isinstance(v, bool)
+                        else math.nan for v in value], dtype=np.float64)
+    if not np.isfinite(array).all():
+        raise ValueError(f"'{key}' must hold finite numbers only")
+    return array
 
 
 def config_of(message: Message) -> ConfigRecord:

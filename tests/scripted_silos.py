@@ -8,6 +8,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from dpcfl_flwr.methods.base import INITIAL
 from dpcfl_flwr.protocol import (
     ARRAYS,
+    MAJORITY,
     METRICS,
     OWN,
     SELECT,
@@ -23,6 +24,7 @@ from dpcfl_flwr.protocol import (
 
 TRUTH = [0, 0, 1, 1, 1, 2, 2, 2]  # topology {2, 3, 3}
 NODE = 1000  # node ids are 1000 + partition, to keep them apart from partitions
+CLASSES = 10  # the run config's default num-classes
 
 
 class ScriptedSilo:
@@ -44,8 +46,11 @@ class ScriptedSilo:
         config = message.content.config_records["config"]
         if kind == "evaluate":
             own = self._score(model_records(message.content).get(ARRAYS))
+            # ten test records of class 0 (and none of the others), all right or all wrong
             return self._reply(message, RecordDict({METRICS: MetricRecord({
                 "test-accuracy": float(own), "test-loss": 1.0, "num-examples": 10,
+                "class-correct": [10.0 * own] + [0.0] * (CLASSES - 1),
+                "class-count": [10.0] + [0.0] * (CLASSES - 1), "metrics-noise-std": 0.0,
                 "epsilon-spent": 1.0, "cluster": int(config["cluster"])})}))
         return self._train(message, int(config["cluster"]))
 
@@ -57,6 +62,13 @@ class ScriptedSilo:
 
     def _train(self, message: Message, cluster: int) -> Message:
         records = model_records(message.content)
+        if cluster == MAJORITY:  # nothing trained: it names the class it predicts
+            assert not records  # no weights reach the silo
+            self.received.append(message)
+            return self._reply(message, one_record(METRICS, {
+                "cluster": MAJORITY, "selected": 1, "num-examples": 100,
+                "noise-multiplier": 0.0, "epsilon-spent": 0.1,
+                "majority-class": TRUTH[self.partition]}))
         selected = cluster == SELECT
         if selected:
             scores = [self.layout.flatten(records[cluster_key(m)])[TRUTH[self.partition]]

@@ -155,7 +155,7 @@ def test_a_checked_update_is_read_only_and_a_packed_one_is_not_copied(server_tas
     message = Message(one_record("metrics", {"cluster": 0, "epsilon-spent": 1.0,
                                              "noise-multiplier": 1.0}, {"update": packed}),
                       dst_node_id=5, message_type="train")
-    update = train_reply(message, ModelLayout(["w"], [(size,)]), 2, 1.0).update
+    update = train_reply(message, ModelLayout(["w"], [(size,)]), 2, 1.0, 10).update
     np.testing.assert_array_equal(update, vector)
     assert not update.flags.writeable
     with pytest.raises(ValueError, match="read-only"):

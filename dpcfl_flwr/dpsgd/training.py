@@ -28,6 +28,7 @@ from torch import nn
 
 from ..data.records import Inputs, in_memory
 from ..privacy.ledger import GaussianSteps
+from ..privacy.metrics import SCORE_BINS, EvaluationSums, score_bins
 from ..privacy.schedule import FULL_BATCH
 from .engine_choice import EngineChoice, by_rule, choose
 from .per_sample import ClippedSumEngine, activation_floats, engine_name, make_engine
@@ -417,25 +418,67 @@ def bounded_losses(losses: torch.Tensor, loss_bound: float) -> torch.Tensor:
     return torch.where(torch.isfinite(losses), bounded, torch.full_like(losses, loss_bound))
 
 
+class _Tally:
+    """The running sums of :func:`classification_sums` over ``classes`` classes."""
+
+    def __init__(self, classes: int, loss_bound: float) -> None:
+        self.loss_bound, self.loss_sum, self.correct = loss_bound, 0.0, 0
+        self.class_correct = torch.zeros(classes, dtype=torch.long)
+        self.class_count = torch.zeros(classes, dtype=torch.long)
+        self.histogram = torch.zeros((2, SCORE_BINS), dtype=torch.long) if classes == 2 else None
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        losses = nn.functional.cross_entropy(logits, target, reduction="none")
+        self.loss_sum += float(bounded_losses(losses, self.loss_bound).sum())
+        right = logits.argmax(dim=1) == target
+        self.correct += int(right.sum())
+        classes = len(self.class_count)
+        self.class_correct += torch.bincount(target[right], minlength=classes)
+        self.class_count += torch.bincount(target, minlength=classes)
+        if self.histogram is not None:
+            bins = score_bins(torch.softmax(logits.double(), dim=1)[:, 1])
+            self.histogram += torch.bincount(target * SCORE_BINS + bins,
+                                             minlength=2 * SCORE_BINS).reshape(2, SCORE_BINS)
+
+    def sums(self, count: int) -> EvaluationSums:
+        return EvaluationSums(count, self.correct, self.loss_sum, self.class_correct.numpy(),
+                              self.class_count.numpy(),
+                              None if self.histogram is None else self.histogram.numpy())
+
+
 @torch.inference_mode()
+def classification_sums(
+    model: nn.Module, x: Inputs, y: torch.Tensor, num_classes: int | None = None,
+    loss_bound: float = math.inf, batch_size: int = EVALUATION_BATCH,
+) -> EvaluationSums:
+    """Every sum an evaluation reports (:class:`~..privacy.metrics.EvaluationSums`, exact):
+    per-record cross-entropy (nats, each in [0, ``loss_bound``], a non-finite one counted as
+    the bound: :func:`bounded_losses`), correct predictions overall and per true class, the
+    records of each class and, for two classes, each class's histogram of positive-class
+    scores. One record adds to each sum at most once, whatever the weights (the sensitivity
+    docs/privacy.md#private-evaluation-metrics charges). ``num_classes``: K (None: the
+    width of the model's output)."""
+    if x.shape[0] == 0:
+        raise ValueError("cannot evaluate on an empty split")
+    model.eval()
+    tally: _Tally | None = None
+    for start in range(0, x.shape[0], batch_size):
+        logits = model(x[start:start + batch_size])
+        if tally is None:
+            tally = _Tally(num_classes or int(logits.shape[1]), loss_bound)
+        tally.add(logits, y[start:start + batch_size])
+    assert tally is not None  # the split is not empty
+    return tally.sums(int(x.shape[0]))
+
+
 def evaluation_sums(
     model: nn.Module, x: Inputs, y: torch.Tensor, loss_bound: float = math.inf,
     batch_size: int = EVALUATION_BATCH,
 ) -> tuple[float, int]:
-    """Sum of per-record cross-entropy (nats, each in [0, ``loss_bound``], a non-finite one
-    counted as the bound: :func:`bounded_losses`) and the number of correct predictions of
-    ``model`` on (x, y): the sums a private evaluation noises."""
-    if x.shape[0] == 0:
-        raise ValueError("cannot evaluate on an empty split")
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for start in range(0, x.shape[0], batch_size):
-        logits = model(x[start:start + batch_size])
-        target = y[start:start + batch_size]
-        losses = nn.functional.cross_entropy(logits, target, reduction="none")
-        loss_sum += float(bounded_losses(losses, loss_bound).sum())
-        correct += int((logits.argmax(dim=1) == target).sum())
-    return loss_sum, correct
+    """Sum of per-record cross-entropy (nats, each in [0, ``loss_bound``]) and the number of
+    correct predictions of ``model`` on (x, y) (:func:`classification_sums`)."""
+    sums = classification_sums(model, x, y, None, loss_bound, batch_size)
+    return sums.loss_sum, int(sums.correct)
 
 
 def evaluate(

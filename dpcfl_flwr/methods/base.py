@@ -76,6 +76,11 @@ class SiloInfo:
     refused_rounds: list[int] = field(default_factory=list)
     test_accuracy: float | None = None
     test_loss: float | None = None
+    #: from its last evaluation's per-class sums; AUROC for two classes only
+    test_balanced_accuracy: float | None = None
+    test_auroc: float | None = None
+    #: the class it predicts for every record (the majority baseline), as it reported it
+    majority_class: int | None = None
     noise_multiplier: float | None = None
     #: expected batch size (records) of its last round, as it reported it
     batch_size: int | None = None

@@ -7,6 +7,8 @@ step of every scalar is the round number. Tags (docs/experiments.md#watching-a-r
 
 ``accuracy/test-mean``         mean test accuracy of the silos evaluated (evaluation rounds)
 ``accuracy/test-minority``     the same over the minority cluster's silos, when there is one
+``accuracy/test-balanced-mean`` mean balanced accuracy of the silos evaluated (evaluation rounds)
+``accuracy/test-auroc-mean``   mean AUROC of the silos evaluated (two classes only)
 ``accuracy/validation-mean``   mean validation accuracy the trainers reported, when known
 ``privacy/max-epsilon-spent``  the largest epsilon any silo has spent so far
 ``round/seconds``              the round's training exchange, wall time
@@ -14,6 +16,7 @@ step of every scalar is the round number. Tags (docs/experiments.md#watching-a-r
 ``round/trained-silos``, ``round/dropped-silos``, ``round/refused-silos``  silo counts
 ``clusters/<m>/silos``         silos that trained cluster m's model this round
 ``silo/<p>/test-accuracy``     silo p's test accuracy (evaluation rounds)
+``silo/<p>/test-balanced-accuracy``, ``silo/<p>/test-auroc``  the same figures of silo p
 ``silo/<p>/epsilon-spent``     silo p's spend after the round
 ``silo/<p>/learning-rate``     the learning rate silo p chose, once it has
 
@@ -118,6 +121,8 @@ def round_scalars(strategy: ClusteredStrategy, report: RoundReport) -> dict[str,
     scalars: dict[str, Any] = {
         "accuracy/test-mean": _mean(tested.values()),
         "accuracy/test-minority": _mean(a for p, a in tested.items() if truth[p] == minority),
+        "accuracy/test-balanced-mean": _mean(report.test_balanced_accuracy.values()),
+        "accuracy/test-auroc-mean": _mean(report.test_auroc.values()),
         "accuracy/validation-mean": _mean(report.val_accuracy.values()),
         "privacy/max-epsilon-spent": max(spent.values(), default=None),
         "round/seconds": report.seconds,
@@ -130,6 +135,10 @@ def round_scalars(strategy: ClusteredStrategy, report: RoundReport) -> dict[str,
         scalars[f"clusters/{cluster}/silos"] = size
     for partition, accuracy in sorted(tested.items()):
         scalars[f"silo/{partition}/test-accuracy"] = accuracy
+    for partition, balanced in sorted(report.test_balanced_accuracy.items()):
+        scalars[f"silo/{partition}/test-balanced-accuracy"] = balanced
+    for partition, area in sorted(report.test_auroc.items()):
+        scalars[f"silo/{partition}/test-auroc"] = area
     for partition, epsilon in sorted(spent.items()):
         scalars[f"silo/{partition}/epsilon-spent"] = epsilon
     for partition, silo in sorted(strategy.silos.items()):

@@ -32,7 +32,8 @@ from .report import plot_accuracy_by_cluster, plot_projection, write_json_atomic
 
 CSV_FIELDS = ["round", "stage", "seconds", "server_seconds", "trained", "refused", "dropped",
               "cluster_sizes", "mean_val_accuracy", "mean_test_accuracy",
-              "minority_test_accuracy", "max_epsilon_spent"]
+              "minority_test_accuracy", "mean_test_balanced_accuracy", "mean_test_auroc",
+              "max_epsilon_spent"]
 
 
 def minority_cluster(true_clusters: dict[int, int]) -> int | None:
@@ -159,11 +160,16 @@ class RunRecorder:
             "mean_val_accuracy": _mean(report.val_accuracy.values()),
             "mean_test_accuracy": _mean(tested.values()),
             "minority_test_accuracy": _mean(minority_acc),
+            "mean_test_balanced_accuracy": _mean(report.test_balanced_accuracy.values()),
+            "mean_test_auroc": _mean(report.test_auroc.values()),
             "max_epsilon_spent": max(spent) if spent else None,
             "client_cpu_seconds": round(sum(report.client_cpu_seconds.values()), 3),
             "silo_cpu_seconds": {str(p): round(c, 3)
                                  for p, c in sorted(report.client_cpu_seconds.items())},
             "test_accuracy": {str(p): _finite(a) for p, a in tested.items()},
+            "test_balanced_accuracy": {str(p): _finite(a) for p, a in
+                                       sorted(report.test_balanced_accuracy.items())},
+            "test_auroc": {str(p): _finite(a) for p, a in sorted(report.test_auroc.items())},
             "aggregation": {str(m): block for m, block in sorted(report.aggregation.items())},
         }
 
@@ -174,6 +180,8 @@ class RunRecorder:
         clients = [
             {"partition": p, "true_cluster": s.true_cluster, "final_cluster": final[p],
              "test_accuracy": _finite(s.test_accuracy), "test_loss": _finite(s.test_loss),
+             "test_balanced_accuracy": _finite(s.test_balanced_accuracy),
+             "test_auroc": _finite(s.test_auroc), "majority_class": s.majority_class,
              "evaluated_round": evaluated.get(p),
              "stale": s.test_accuracy is not None and evaluated.get(p, -1) != last,
              "epsilon_spent": s.epsilon_spent, "epsilon_budget": s.epsilon_budget,
@@ -256,16 +264,22 @@ def last_evaluations(reports: list[RoundReport]) -> tuple[int | None, dict[int, 
 
 def summarise(clients: list[dict[str, Any]], truth: dict[int, int],
               evaluated_round: int | None) -> dict[str, Any]:
-    """Mean test accuracy over all silos, the minority silos and the majority silos, each over
-    the silos evaluated in the last evaluation (``evaluated_round``) only: a silo that dropped
-    out keeps an earlier round's figure, which is stale and named in ``stale_silos``."""
+    """Mean test accuracy over all silos, the minority silos and the majority silos, and the
+    mean balanced accuracy and AUROC (two classes) over all silos, each over the silos
+    evaluated in the last evaluation (``evaluated_round``) only: a silo that dropped out keeps
+    an earlier round's figure, which is stale and named in ``stale_silos``."""
     if not truth:
         return {}
     minority = minority_cluster(truth)
-    accuracy = {c["partition"]: c["test_accuracy"] for c in clients
-                if c["test_accuracy"] is not None and not c.get("stale")}
+    current = [c for c in clients if not c.get("stale")]
+    accuracy = {c["partition"]: c["test_accuracy"] for c in current
+                if c["test_accuracy"] is not None}
     return {
         "mean_accuracy": _mean(accuracy.values()),
+        "mean_balanced_accuracy": _mean(c.get("test_balanced_accuracy") for c in current
+                                        if c["partition"] in accuracy),
+        "mean_auroc": _mean(c.get("test_auroc") for c in current
+                            if c["partition"] in accuracy),
         "minority_accuracy": None if minority is None else _mean(
             a for p, a in accuracy.items() if truth[p] == minority),
         "majority_accuracy": None if minority is None else _mean(

@@ -11,6 +11,11 @@ the same as one at a time; each cell's local Ray gets the grid's CPUs divided by
 (:func:`cell_cpus`), or every cell joins the same Ray cluster (``--ray-address``), whose
 scheduler then shares its CPUs among the cells' silos.
 
+Beside the methods asked for, the grid runs the baselines every table shows (:data:`BASELINES`:
+``local``, what a silo learns alone, and ``majority``, the constant answer;
+docs/algorithm.md#baselines) unless told not to; every task here is classification, so they
+always apply.
+
 The config file is a TOML table of run-config keys, each method's own parameters in its table
 (``[rdpcfl]``, ``[ifca]``, ...), plus optional ``[method.<name>]`` tables of per-method
 overrides of run-config keys (the paper tunes learning rate and batch size per method:
@@ -45,15 +50,27 @@ def discovers_clusters(method: str) -> bool:
     return registry.method_class(method).discovers_clusters
 
 
+#: Methods every comparison table shows beside the ones asked for.
+BASELINES = ("local", "majority")
+
+
+def baselines_for(methods: Sequence[str]) -> list[str]:
+    """The :data:`BASELINES` that ``methods`` leaves out, in order."""
+    return [name for name in BASELINES if name not in methods]
+
+
 @dataclass(frozen=True)
 class GridRun:
-    """One cell; ``rule``: the aggregation rule the grid sets (None: the run config's)."""
+    """One cell; ``rule``: the aggregation rule the grid sets (None: the run config's);
+    ``baseline``: a baseline the grid added (:data:`BASELINES`), which combines no updates,
+    so it runs with the uniform rule whatever the config names."""
 
     method: str
     epsilon: float
     seed: int
     directory: Path
     rule: str | None = None
+    baseline: bool = False
 
     @property
     def variant(self) -> str:
@@ -100,9 +117,11 @@ def variant(method: str, rule: str | None) -> str:
     return method if rule is None else f"{method}/{rule}"
 
 
-def variants(methods: Sequence[str], rules: Sequence[str] | None) -> list[str]:
-    """The tables' rows in order: each method, or each (method, rule) on an aggregation axis."""
-    return [variant(m, r) for m in methods for r in _axis(rules)]
+def variants(methods: Sequence[str], rules: Sequence[str] | None,
+             baselines: Sequence[str] = ()) -> list[str]:
+    """The tables' rows in order: each method, or each (method, rule) on an aggregation axis,
+    then the baselines the grid added."""
+    return [variant(m, r) for m in methods for r in _axis(rules)] + list(baselines)
 
 
 def apply_overrides(base: dict[str, Any], per_method: dict[str, dict[str, Any]],
@@ -122,19 +141,24 @@ def apply_overrides(base: dict[str, Any], per_method: dict[str, dict[str, Any]],
 
 
 def plan_grid(methods: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
-              out: Path, rules: Sequence[str] | None = None) -> list[GridRun]:
+              out: Path, rules: Sequence[str] | None = None,
+              baselines: Sequence[str] = ()) -> list[GridRun]:
     """Every cell; ``rules``: the aggregation axis (None: each run config's own rule). Whether
-    a method can take a rule is the run config's to say (:func:`run_config`)."""
+    a method can take a rule is the run config's to say (:func:`run_config`). ``baselines``:
+    methods the grid adds (:func:`baselines_for`), one cell per epsilon and seed, off the
+    aggregation axis."""
     names = registry.method_names()
-    for method in methods:
+    for method in [*methods, *baselines]:
         if method not in names:
             raise ConfigError(f"unknown method {method!r}; choose from {', '.join(names)}")
     if rules is not None and not rules:
         raise ConfigError("--aggregations names no rule")
+    cells = [(m, r, False) for m in methods for r in _axis(rules)]
+    cells += [(m, None, True) for m in baselines]
     return [GridRun(m, float(e), int(s),
                     out / (m if r is None else f"{m}-{r}") / f"eps{float(e):g}" / f"seed{int(s)}",
-                    r)
-            for e in epsilons for s in seeds for m in methods for r in _axis(rules)]
+                    r, added)
+            for e in epsilons for s in seeds for m, r, added in cells]
 
 
 def _axis(rules: Sequence[str] | None) -> Sequence[str | None]:
@@ -149,6 +173,8 @@ def run_config(run: GridRun, base: dict[str, Any], per_method: dict[str, dict[st
            "epsilon": run.epsilon, "seed": run.seed, "out-dir": str(run.directory.resolve())}
     if run.rule is not None:
         raw[AXIS_KEY] = run.rule
+    elif run.baseline:  # it combines no updates: only the uniform rule applies to it
+        raw[AXIS_KEY] = "uniform"
     return parse_run_config(raw).to_run_config()
 
 
@@ -257,7 +283,8 @@ def cell_cpus(cpus: int, parallel: int, ray_address: str | None) -> int:
 def _finished_line(tag: str, run: GridRun, seconds: float) -> str:
     summary = run.results()["summary"]  # type: ignore[index]
     return (f"{tag} {run.label}: {seconds:.0f} s, accuracy "
-            f"{percent(summary.get('mean_accuracy'))}, minority "
+            f"{percent(summary.get('mean_accuracy'))}, balanced "
+            f"{percent(summary.get('mean_balanced_accuracy'))}, minority "
             f"{percent(summary.get('minority_accuracy'))}")
 
 

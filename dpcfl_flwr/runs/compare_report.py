@@ -1,6 +1,7 @@
 """The tables and figure of a ``dpcfl compare`` grid (summary.md, summary.csv, comparison.png):
 per row (a method, or a method and aggregation rule) and epsilon, mean ± std over seeds of
-accuracy, minority accuracy, clustering and the silos' privacy figures.
+accuracy, balanced accuracy, AUROC (two classes), minority accuracy, clustering and the silos'
+privacy figures. The baselines the grid adds (``local``, ``majority``) are rows like any other.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Cell:
     # ratio to the oracle's (see mean_noise_level, mean_oracle_ratio).
     noise_level: list[float] = dataclasses.field(default_factory=list)
     oracle_ratio: list[float] = dataclasses.field(default_factory=list)
+    # Per seed: mean balanced accuracy and (two classes) mean AUROC over the silos
+    balanced: list[float] = dataclasses.field(default_factory=list)
+    auroc: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def variant(self) -> str:
@@ -73,7 +77,9 @@ def _cell(method: str, rule: str | None, epsilon: float, results: list[dict[str,
         [s.get("max_epsilon_spent") or 0.0 for s in summaries],
         rule, rule or ",".join(sorted(used)),
         _known(mean_noise_level(r) for r in results),
-        _known(mean_oracle_ratio(r) for r in results))
+        _known(mean_oracle_ratio(r) for r in results),
+        _known(s.get("mean_balanced_accuracy") for s in summaries),
+        _known(s.get("mean_auroc") for s in summaries))
 
 
 def aggregation_records(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,7 +119,8 @@ def _mean_std(values: list[float]) -> tuple[float | str, float | str]:
 
 
 def _pm(values: list[float], form: str = "percent") -> str:
-    """mean ± std: of percentages, in scientific notation ("sci") or of plain ratios."""
+    """mean ± std: of percentages, in scientific notation ("sci"), of plain ratios (two
+    decimals) or of fractions such as AUROC (three)."""
     if not values:
         return "-"
     mean, std = float(np.mean(values)), float(np.std(values))
@@ -121,6 +128,8 @@ def _pm(values: list[float], form: str = "percent") -> str:
         return f"{mean:.2e} ± {std:.1e}"
     if form == "ratio":
         return f"{mean:.2f} ± {std:.2f}"
+    if form == "fraction":
+        return f"{mean:.3f} ± {std:.3f}"
     return f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
@@ -139,8 +148,14 @@ def markdown(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[float]) 
 
     parts = [grid("**Mean test accuracy over all clients (%)** (mean ± std over seeds)",
                   lambda c: _pm(c.accuracy)),
-             grid("**Mean test accuracy over the minority clients (%)** (mean ± std over seeds)",
-                  lambda c: _pm(c.minority))]
+             grid("**Mean balanced accuracy over all clients (%)** (the mean recall of the "
+                  "classes in each client's test split; mean ± std over seeds)",
+                  lambda c: _pm(c.balanced))]
+    if any(c.auroc for c in cells):
+        parts.append(grid("**Mean AUROC over all clients** (two classes; 0.5 is chance; mean ± "
+                          "std over seeds)", lambda c: _pm(c.auroc, "fraction")))
+    parts.append(grid("**Mean test accuracy over the minority clients (%)** (mean ± std over "
+                      "seeds)", lambda c: _pm(c.minority)))
     detecting = [row for row in rows if discovers_clusters(row.partition("/")[0])]
     if detecting:
         parts.append(grid("**Seeds that found the full cluster structure · that isolated the "
@@ -164,7 +179,8 @@ def markdown(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[float]) 
 CSV_COLUMNS = ("method", "epsilon", "seeds", "accuracy_mean", "accuracy_std", "minority_mean",
                "minority_std", "found_structure", "minority_isolated", "max_noise_multiplier",
                "max_epsilon_spent", "aggregation", "noise_level_mean", "noise_level_std",
-               "noise_vs_oracle_mean", "noise_vs_oracle_std")
+               "noise_vs_oracle_mean", "noise_vs_oracle_std", "balanced_accuracy_mean",
+               "balanced_accuracy_std", "auroc_mean", "auroc_std")
 
 
 def write_reports(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[float],
@@ -181,7 +197,8 @@ def write_reports(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[flo
                              "" if c.minority_isolated is None else c.minority_isolated,
                              max(c.noise, default=""), max(c.spent, default=""),
                              c.aggregation, *_mean_std(c.noise_level),
-                             *_mean_std(c.oracle_ratio)])
+                             *_mean_std(c.oracle_ratio), *_mean_std(c.balanced),
+                             *_mean_std(c.auroc)])
     _plot(cells, rows, epsilons, out / "comparison.png")
     return table
 
@@ -191,17 +208,18 @@ def _plot(cells: list[Cell], rows: Sequence[str], epsilons: Sequence[float],
     from ..results.report import plt, save_figure
 
     by = {(c.variant, c.epsilon): c for c in cells}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, field, title in ((axes[0], "accuracy", "all clients"),
-                             (axes[1], "minority", "minority clients")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    for ax, field, title in ((axes[0], "accuracy", "test accuracy: all clients"),
+                             (axes[1], "balanced", "balanced accuracy: all clients"),
+                             (axes[2], "minority", "test accuracy: minority clients")):
         for row in rows:
             xs = [e for e in epsilons if (row, e) in by and getattr(by[(row, e)], field)]
             means = [100 * np.mean(getattr(by[(row, e)], field)) for e in xs]
             stds = [100 * np.std(getattr(by[(row, e)], field)) for e in xs]
             ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=row)
         ax.set_xlabel("epsilon (per client)")
-        ax.set_title(f"mean test accuracy: {title}", fontsize=10)
+        ax.set_title(f"mean {title}", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("test accuracy (%)")
-    axes[1].legend(fontsize=8)
+    axes[0].set_ylabel("%")
+    axes[2].legend(fontsize=8)
     save_figure(fig, path)

@@ -38,6 +38,10 @@ def describe_round(row: dict[str, Any]) -> str:
         parts.append(f"test acc {percent(row['mean_test_accuracy'])}")
     if _known(row.get("minority_test_accuracy")):
         parts.append(f"minority {percent(row['minority_test_accuracy'])}")
+    if _known(row.get("mean_test_balanced_accuracy")):
+        parts.append(f"balanced {percent(row['mean_test_balanced_accuracy'])}")
+    if _known(row.get("mean_test_auroc")):
+        parts.append(f"AUROC {row['mean_test_auroc']:.3f}")
     if _known(row.get("max_epsilon_spent")):
         parts.append(f"eps {row['max_epsilon_spent']:.2f}")
     if row.get("refused"):
@@ -106,14 +110,18 @@ class ProgressFollower(threading.Thread):
 
 
 def summary_table(results: dict[str, Any]) -> Table:
-    """The end-of-run table: accuracy overall / minority / majority (over the silos evaluated
-    at the end; stale figures named apart), clustering, privacy."""
+    """The end-of-run table: accuracy overall, balanced accuracy and (two classes) AUROC,
+    accuracy of the minority / majority clusters (over the silos evaluated at the end; stale
+    figures named apart), clustering, privacy."""
     summary, clustering = results["summary"], results["clustering"]
     table = Table(title=f"{results['method']} — {results['config']['out-dir']}",
                   show_header=False)
 
     table.add_row("mean test accuracy", percent(summary.get("mean_accuracy"))
                   + _evaluated(summary))
+    table.add_row("mean balanced accuracy", percent(summary.get("mean_balanced_accuracy")))
+    if _known(summary.get("mean_auroc")):  # two classes only
+        table.add_row("mean AUROC", f"{summary['mean_auroc']:.3f}")
     stale = summary.get("stale_silos") or {}
     if stale:
         table.add_row("stale (not in the means)", ", ".join(
@@ -166,13 +174,13 @@ def _spent_before(results: dict[str, Any]) -> str:
 
 
 def silo_table(results: dict[str, Any]) -> Table:
-    """Each silo's outcome: cluster (true → final), test accuracy and its round, epsilon spent
-    (in this run / before it) against the budget it claims, its noise multiplier z and batch
-    b_i, its weight in its cluster's last aggregation, and the rounds it dropped out of / it
-    refused. A figure older results lack is ``-``. Headers wrap at spaces: the table fits 100
-    columns."""
+    """Each silo's outcome: cluster (true → final), test accuracy, balanced accuracy and
+    their round, epsilon spent (in this run / before it) against the budget it claims, its
+    noise multiplier z and batch b_i, its weight in its cluster's last aggregation, and the
+    rounds it dropped out of / it refused. A figure older results lack is ``-``. Headers wrap
+    at spaces: the table fits 100 columns."""
     table = Table(title="silos", show_header=True)
-    for column in ("silo", "cluster true → final", "test acc", "round", "eps spent",
+    for column in ("silo", "cluster true → final", "test acc", "bal acc", "round", "eps spent",
                    "eps claim", "spent before", "z", "batch", "weight", "dropped / refused"):
         # A header of several words takes the width of its longest (5 at least: 0.123), so its
         # words wrap; left alone, rich narrows the widest columns first and cuts their headers.
@@ -181,6 +189,7 @@ def silo_table(results: dict[str, Any]) -> Table:
     for c in results["clients"]:
         table.add_row(str(c["partition"]), f"{c['true_cluster']} → {c['final_cluster']}",
                       percent(c.get("test_accuracy")) + (" stale" if c.get("stale") else ""),
+                      percent(c.get("test_balanced_accuracy")),
                       str(c.get("evaluated_round") or "-"), _number(c.get("epsilon_spent"), 3),
                       _number(c.get("epsilon_budget"), 4, "g"),
                       _number(c.get("epsilon_spent_before_run") or 0.0, 3),

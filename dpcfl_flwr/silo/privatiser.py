@@ -36,10 +36,11 @@ class RoundWork:
 @dataclass
 class RoundOutcome:
     """What a round produced: ``update`` (released minus received weights, what leaves the
-    silo), ``start`` (the weights it trained from) and the reply's numbers."""
+    silo), ``start`` (the weights it trained from) and the reply's numbers. A round that
+    trains nothing (the majority baseline, :mod:`.majority`) has neither: None."""
 
-    update: dict[str, torch.Tensor]
-    start: dict[str, torch.Tensor]
+    update: dict[str, torch.Tensor] | None
+    start: dict[str, torch.Tensor] | None
     metrics: dict[str, float]
 
 

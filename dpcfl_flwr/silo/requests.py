@@ -18,7 +18,7 @@ from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..data.schema import parse_floats
 from ..privacy.defaults import UNNAMED_ACCOUNTANT, AccountantName, BudgetMode, Conversion
 from ..privacy.schedule import MAX_TUNED_RATES, Schedule
-from ..protocol import CONFIG, OWN
+from ..protocol import CONFIG, MAJORITY
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
 MAX_ROUNDS = 100_000
@@ -46,7 +46,7 @@ class TrainRequest(_Request):
     """The settings of a ``train`` message (the models are read separately)."""
 
     server_round: int = Field(ge=1, le=MAX_ROUNDS)
-    cluster: int = Field(ge=OWN)
+    cluster: int = Field(ge=MAJORITY)
     round_batch: str
     learning_rate: float = Field(gt=0.0)
     clip_norm: float = Field(gt=0.0)
@@ -136,7 +136,7 @@ class EvaluateRequest(_Request):
     """The settings of an ``evaluate`` message."""
 
     server_round: int = Field(ge=0, le=MAX_ROUNDS)
-    cluster: int = Field(ge=OWN)
+    cluster: int = Field(ge=MAJORITY)
 
 
 def parse_request(kind: type[_Request], message: Message) -> Any:

@@ -11,11 +11,15 @@ budget, trains, privatises and charges, all under the ledger's lock.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from ..protocol import ANCHOR, SELECT, WireModel
+import torch
+
+from ..protocol import ANCHOR, MAJORITY, SELECT, WireModel, evaluation_fields
 from .euclidean_laplace import EuclideanLaplace
 from .gaussian import GaussianDPSGD
 from .kept_model import evaluated_metadata, keep_evaluated_model
+from .majority import majority_model, majority_round
 from .privatiser import Privatiser, RoundOutcome, RoundWork
 from .received import received_model, selection_candidates, start_model
 from .requests import BadRequest, EvaluateRequest, TrainRequest
@@ -33,6 +37,8 @@ def train_round(silo: Silo, request: TrainRequest, models: Mapping[str, WireMode
     if request.privatiser != own:  # a DP-SGD silo never releases a plainly trained model
         raise BadRequest(f"train message: 'privatiser' = {request.privatiser!r}, but this "
                          f"silo privatises with {own!r} (its own node config)")
+    if request.cluster == MAJORITY:  # nothing to train: a private choice of one class
+        return majority_round(silo, request)
     privatiser = PRIVATISERS[own]
     proposed = request.schedule
     schedule = silo.own_schedule(proposed)
@@ -53,23 +59,31 @@ def train_round(silo: Silo, request: TrainRequest, models: Mapping[str, WireMode
 
 
 def evaluate_round(silo: Silo, request: EvaluateRequest, models: Mapping[str, WireModel],
-                   planned_rounds: int | None, run_name: int) -> dict[str, float]:
+                   planned_rounds: int | None, run_name: int) -> dict[str, Any]:
     """Test the model the message names (charged with private metrics), keep the silo's own
-    copy of it (:mod:`.kept_model`), and return the reply's numbers. ``planned_rounds``: the
-    run's ``rounds`` from its first answered train message (None before), which tells the
-    final evaluation; ``run_name``: what the silo names the run's files by."""
-    state = start_model(models, silo)
+    copy of it (:mod:`.kept_model`), and return the reply's numbers
+    (docs/protocol.md#evaluate). ``planned_rounds``: the run's ``rounds`` from its first
+    answered train message (None before), which tells the final evaluation; ``run_name``:
+    what the silo names the run's files by. A majority-class silo tests the class it chose
+    (:mod:`.majority`) and keeps no model file: its class is in its ledger."""
+    model: torch.nn.Module
+    if request.cluster == MAJORITY:
+        state, model = None, majority_model(silo, silo.run_name(run_name))
+    else:
+        state = start_model(models, silo)
+        model = silo.new_model(state)
     with silo.charging():  # a private evaluation is charged like a round
         cost = silo.evaluation_cost(request.server_round)
         if cost:
             silo.refuse_repeat(run_name, "evaluate", request.server_round)
         silo.check(list(cost), request.server_round)
-        metrics, exact = silo.test(state, request.server_round)
+        reported, exact = silo.test(model, request.server_round)
         if cost:
             silo.note_charged(run_name, "evaluate", request.server_round)
-    # the silo's own copy of the model it would use; nothing of it leaves the silo
-    keep_evaluated_model(silo, state, evaluated_metadata(
-        silo, request.server_round, request.cluster, planned_rounds, metrics, exact),
-        run_name)
+    metrics = evaluation_fields(reported)
+    if state is not None:  # the silo's own copy of the model it would use; nothing of it leaves
+        keep_evaluated_model(silo, state, evaluated_metadata(
+            silo, request.server_round, request.cluster, planned_rounds, metrics,
+            evaluation_fields(exact)), run_name)
     metrics.update({"cluster": request.cluster, "epsilon-spent": silo.spent()})
     return metrics

@@ -31,9 +31,9 @@ from ..dpsgd.engine_choice import EngineChoice
 from ..dpsgd.per_sample import engine_name
 from ..dpsgd.training import (
     DPSGDConfig,
+    classification_sums,
     configure_threads,
     evaluate,
-    evaluation_sums,
     round_cost,
     secure_generator,
     train_dp,
@@ -50,7 +50,7 @@ from ..privacy.ledger import (
     Selection,
     ledger_lock,
 )
-from ..privacy.metrics import LOSS_BOUND, metric_release_cost, noisy_evaluation
+from ..privacy.metrics import LOSS_BOUND, EvaluationSums, metric_release_cost, noisy_release
 from ..privacy.schedule import Schedule, steps_per_round, tuning_phases, two_stage_schedule
 from ..privacy.selection import accuracy_sensitivity, select_cluster
 from ..runs.heap import give_back_freed_memory
@@ -263,7 +263,7 @@ class Silo:
     def spent(self) -> float:
         return self.ledger.spent(self.budget)
 
-    def _run_name(self, run_key: int) -> str:
+    def run_name(self, run_key: int) -> str:
         """What the ledger files a run under: the server's run key (the same when it resumes
         the run in a new Flower run), else this Flower run's id."""
         return str(run_key or self.run_id)
@@ -273,7 +273,7 @@ class Silo:
         ``round_number`` of ``kind`` ("train", "evaluate") charged. Under the whole-budget
         default a repeat would not fit, and charging it would only refuse the silo's later
         rounds, which its plan still covers."""
-        done = self.ledger.meta.get("rounds", {}).get(self._run_name(run_key), {})
+        done = self.ledger.meta.get("rounds", {}).get(self.run_name(run_key), {})
         if round_number in done.get(kind, ()):
             raise RoundRepeated(
                 f"silo {self.silo.partition_id} already ran and charged {kind} round "
@@ -285,34 +285,41 @@ class Silo:
         """Record that the run's round ``round_number`` of ``kind`` was charged (saved with
         the charge; the rounds of at most :data:`MAX_PLANS` runs are kept)."""
         rounds = self.ledger.meta.setdefault("rounds", {})
-        done = rounds.setdefault(self._run_name(run_key), {})
+        done = rounds.setdefault(self.run_name(run_key), {})
         done[kind] = sorted({*done.get(kind, ()), round_number})
         for old in list(rounds)[:max(0, len(rounds) - MAX_PLANS)]:
             del rounds[old]
 
     # --- plan -------------------------------------------------------------------------------
-    def plan(self, schedule: Schedule, run_key: int = 0) -> SiloPlan:
+    def plan(self, schedule: Schedule, run_key: int = 0, trains: bool = True) -> SiloPlan:
         """Calibrate z for the proposed schedule once per run; the plan is kept in the ledger
         with the run's first charge (:meth:`charge`), so a message refused later leaves no
         trace in the ledger.
 
         ``run_key``: what the server names the run by, the same when it resumes the run in a
         new Flower run (0: this Flower run's id), so a resumed silo keeps its z. A key only
-        picks which stored plan applies; what the silo may spend is its ledger's to say."""
-        key = self._run_name(run_key)
+        picks which stored plan applies; what the silo may spend is its ledger's to say.
+        ``trains=False``: a run without DP-SGD (the majority baseline), whose plan is only
+        its selection's epsilon (:meth:`_selection_plan`), z = 0."""
+        key = self.run_name(run_key)
         stored = self.ledger.meta.get("runs", {}).get(key)
         if stored is not None:
-            if stored["schedule_key"] != schedule.key():
+            if stored["schedule_key"] != schedule.key() or (
+                    stored["noise_multiplier"] > 0) != trains:
                 raise BudgetExceeded("the server changed the DP schedule in the middle of a run")
             return SiloPlan(**stored)
         spent_before = self.spent()
-        plan = self._calibrate(schedule, spent_before)
+        plan = (self._calibrate(schedule, spent_before) if trains
+                else self._selection_plan(schedule, spent_before))
         self._unstored_plan = (key, plan)
         if spent_before > 0:
             logger.warning("silo %s starts run %s with epsilon %.4g of %g already spent in "
                            "earlier runs: z=%.4f for what is left (%s)", self.silo.partition_id,
                            self.run_id, spent_before, self.budget.epsilon,
                            plan.noise_multiplier, schedule)
+        elif not trains:
+            logger.info("silo %s: no DP-SGD in this run, a selection costs eps_select=%.4g",
+                        self.silo.partition_id, plan.epsilon_select)
         else:
             logger.info("silo %s: z=%.4f for %s", self.silo.partition_id,
                         plan.noise_multiplier, schedule)
@@ -363,6 +370,19 @@ class Silo:
                     "docs/privacy.md#runs-after-the-first)") from None
             raise BudgetExceeded(f"no noise level fits the remaining budget: {exc}") from None
         return SiloPlan(z, eps_select, s.key(), b.accountant)
+
+    def _selection_plan(self, s: Schedule, spent_before: float) -> SiloPlan:
+        """The plan of a run that only selects (the majority baseline, no DP-SGD): each
+        selection at eps_select = ``select-ratio`` x what this run may spend (the same share
+        a training run's selections take, docs/privacy.md#budget-split-and-joint-mode); no
+        z to calibrate. BudgetExceeded when nothing is left to spend."""
+        eps_select = s.select_ratio * max(
+            self._run_target(spent_before, s.epsilon_target) - spent_before, 0.0)
+        if not eps_select > 0:
+            raise BudgetExceeded(
+                f"no selection fits the remaining budget: earlier runs spent epsilon "
+                f"{spent_before:.4g} of {self.budget.epsilon:g}")
+        return SiloPlan(0.0, eps_select, s.key(), self.budget.accountant)
 
     def _run_target(self, spent_before: float, server_target: float) -> float:
         """The epsilon (earlier runs' spend included) a new run is calibrated to end at: the
@@ -506,27 +526,22 @@ class Silo:
         assert self.silo.metrics_noise is not None  # resolved
         return [metric_release_cost(self.silo.metrics_noise, round_number)]
 
-    def test(self, state: dict[str, torch.Tensor], round_number: int) -> tuple[
-            dict[str, float], dict[str, float]]:
-        """Test loss and accuracy of ``state``: (what the silo reports, what it knows). The
-        report is exact, or (private metrics) through the Gaussian mechanism, charged; call
-        inside :meth:`charging` after :meth:`check`. What it knows is exact and stays in the
-        silo (its model file, :mod:`.silo_model`); with private metrics its loss is the mean
-        of per-record losses clipped to ``LOSS_BOUND``."""
-        model, x, y = self.new_model(state), self.data.x_test, self.data.y_test
-        count = int(x.shape[0])
+    def test(self, model: torch.nn.Module, round_number: int
+             ) -> tuple[EvaluationSums, EvaluationSums]:
+        """The sums of ``model`` on the test split (docs/privacy.md#private-evaluation-metrics):
+        (what the silo reports, what it knows). The report is exact, or (private metrics)
+        the Gaussian mechanism's release, charged; call inside :meth:`charging` after
+        :meth:`check`. What it knows is exact and stays in the silo (its model file,
+        :mod:`.kept_model`); with private metrics its losses are clipped to ``LOSS_BOUND``."""
+        x, y, classes = self.data.x_test, self.data.y_test, self.experiment.num_classes
         if not self.private_metrics:
-            loss, accuracy = evaluate(model, x, y)
-            exact = {"test-loss": loss, "test-accuracy": accuracy}
-        else:
-            loss_sum, correct = evaluation_sums(model, x, y, LOSS_BOUND)
-            exact = {"test-loss": loss_sum / count, "test-accuracy": correct / count}
-            cost = self.evaluation_cost(round_number)
-            generator = secure_generator(self.charge_seed())
-            self.charge(cost)
-            loss, accuracy = noisy_evaluation(correct, loss_sum, count,
-                                              cost[0].noise_multiplier, generator)
-        return {"num-examples": count, "test-loss": loss, "test-accuracy": accuracy}, exact
+            exact = classification_sums(model, x, y, classes)
+            return exact, exact
+        exact = classification_sums(model, x, y, classes, LOSS_BOUND)
+        cost = self.evaluation_cost(round_number)
+        generator = secure_generator(self.charge_seed())
+        self.charge(cost)
+        return noisy_release(exact, cost[0].noise_multiplier, generator), exact
 
 
 #: (partition, run) pairs whose engine this process has logged.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,18 @@ from flwr.app import Message
 
 from ..aggregation import dp_noise_variance
 from ..methods.base import INITIAL, TrainReply
-from ..protocol import METRICS, OWN, UPDATE, ModelLayout, metrics_of, model_records, number
+from ..privacy.metrics import auroc, balanced_accuracy
+from ..protocol import (
+    MAJORITY,
+    METRICS,
+    OWN,
+    UPDATE,
+    ModelLayout,
+    evaluation_of,
+    metrics_of,
+    model_records,
+    number,
+)
 
 #: How many times the median norm of a round's updates one update's norm may be
 #: (docs/algorithm.md#updates-far-off-the-others). Honest DP updates differ by their noise:
@@ -47,20 +59,23 @@ def known_number(record: Mapping[str, Any], key: str) -> float | None:
 
 
 def train_reply(message: Message, layout: ModelLayout, n_clusters: int,
-                clip_norm: float) -> TrainReply:
+                clip_norm: float, num_classes: int) -> TrainReply:
     """A silo's train reply, checked: only ``cluster``, ``epsilon-spent`` and
     ``noise-multiplier`` must be there; a silo's own numbers about its data (validation
     accuracy and loss) and its round's ``batch-size`` and ``steps`` are optional.
     ``layout``: the model's, which the update must have; ``n_clusters``: M, which bounds the
     cluster it says it trained; ``clip_norm``: C, to size the noise it reports (only for
-    evaluation figures, :attr:`TrainReply.noise_variance`). ValueError says why a reply
-    cannot be used."""
+    evaluation figures, :attr:`TrainReply.noise_variance`); ``num_classes``: K, which bounds
+    the class a majority round chose (such a reply names its class and carries no update).
+    ValueError says why a reply cannot be used."""
     metrics, numbers = reply_numbers(message, ("cluster", "epsilon-spent", "noise-multiplier"))
     cluster = int(numbers[0])
     models = model_records(message.content)
     update = layout.flatten(models[UPDATE], writable=False) if UPDATE in models else None
-    if cluster not in (INITIAL, OWN) and not 0 <= cluster < n_clusters:
+    if cluster not in (INITIAL, OWN, MAJORITY) and not 0 <= cluster < n_clusters:
         raise ValueError(f"it trained cluster {cluster}, this run has {n_clusters}")
+    if cluster == MAJORITY:
+        _check_majority(metrics, update is not None, num_classes)
     if update is not None:
         update.flags.writeable = False  # every path alike: TrainReply.update is read-only
         if not np.isfinite(update).all():
@@ -71,6 +86,44 @@ def train_reply(message: Message, layout: ModelLayout, n_clusters: int,
     if batch is not None and steps is not None and batch > 0 and steps >= 0:
         variance = dp_noise_variance(numbers[2], clip_norm, 1.0, batch, steps)
     return TrainReply(cluster, update, fields, variance)
+
+
+def _check_majority(metrics: Mapping[str, Any], has_update: bool, num_classes: int) -> None:
+    """A majority round's reply: a class of the run, and no update (nothing was trained)."""
+    label = known_number(metrics, "majority-class")
+    if label is None or label != int(label) or not 0 <= label < num_classes:
+        raise ValueError(f"a majority round must name a class 0..{num_classes - 1}, got "
+                         f"{metrics.get('majority-class')!r}")
+    if has_update:
+        raise ValueError("a majority round trains nothing, but the reply carries an update")
+
+
+@dataclass(frozen=True)
+class EvaluateReply:
+    """A silo's checked evaluate reply: test accuracy (a fraction; noisy with private
+    metrics, possibly outside [0, 1]), mean test loss (nats), its spend, and the figures
+    read from its per-class sums (docs/privacy.md#private-evaluation-metrics): balanced
+    accuracy (None: no class present) and, for two classes, AUROC (None otherwise, or when
+    a class is absent)."""
+
+    accuracy: float
+    loss: float
+    epsilon_spent: float
+    balanced_accuracy: float | None
+    auroc: float | None
+
+
+def evaluate_reply(message: Message, num_classes: int) -> EvaluateReply:
+    """A silo's evaluate reply, checked whole (:func:`~..protocol.evaluation_of`): the run's
+    ``num_classes`` fixes how many per-class figures it must carry. ValueError says why a
+    reply cannot be used."""
+    metrics, (spent,) = reply_numbers(message, ("epsilon-spent",))
+    sums = evaluation_of(metrics, num_classes)
+    area = None if sums.score_histogram is None else auroc(
+        sums.score_histogram, sums.class_count, sums.noise_std)
+    return EvaluateReply(sums.accuracy, sums.loss, spent,
+                         balanced_accuracy(sums.class_correct, sums.class_count,
+                                           sums.noise_std), area)
 
 
 def far_off_updates(replies: Mapping[int, TrainReply],

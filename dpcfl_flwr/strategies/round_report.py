@@ -25,6 +25,9 @@ class RoundReport:
     #: wall of the round's evaluation exchange, after its training (0: none this round)
     evaluate_seconds: float = 0.0
     test_accuracy: dict[int, float] | None = None
+    #: of the silos evaluated whose reply gives them (docs/privacy.md#private-evaluation-metrics)
+    test_balanced_accuracy: dict[int, float] = field(default_factory=dict)
+    test_auroc: dict[int, float] = field(default_factory=dict)  # two classes only
     client_cpu_seconds: dict[int, float] = field(default_factory=dict)
     #: by cluster: the aggregation's weights, noise levels and fallback (docs/aggregation.md)
     aggregation: dict[int, dict[str, Any]] = field(default_factory=dict)

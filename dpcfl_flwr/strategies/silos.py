@@ -227,6 +227,8 @@ class SiloRoster:
                 continue
             now.dropped_rounds, now.refused_rounds = before.dropped_rounds, before.refused_rounds
             now.test_accuracy, now.test_loss = before.test_accuracy, before.test_loss
+            now.test_balanced_accuracy = before.test_balanced_accuracy
+            now.test_auroc, now.majority_class = before.test_auroc, before.majority_class
             now.noise_multiplier, now.exhausted = before.noise_multiplier, before.exhausted
             now.epsilon_spent_before = before.epsilon_spent_before
 

@@ -36,6 +36,7 @@ from ..privacy.schedule import TUNING_SELECT_RATIO, Schedule
 from ..protocol import (
     ARRAYS,
     CONFIG,
+    MAJORITY,
     OWN,
     SELECT,
     ModelLayout,
@@ -46,7 +47,7 @@ from ..protocol import (
     pack,
 )
 from .checkpoint import Checkpoint
-from .replies import far_off_updates, known_number, reply_numbers, train_reply
+from .replies import evaluate_reply, far_off_updates, known_number, train_reply
 from .round_report import RoundReport
 from .silos import SiloRoster
 
@@ -269,7 +270,7 @@ class ClusteredStrategy(Strategy):
         return self._epsilon_target
 
     def _model_record(self, cluster: int) -> WireModel | None:
-        if cluster == OWN:
+        if cluster in (OWN, MAJORITY):  # the silo's own model, or its class: no weights
             return None
         return pack(self.initial if cluster == INITIAL else self.models[cluster])
 
@@ -302,7 +303,7 @@ class ClusteredStrategy(Strategy):
                 continue
             try:
                 reply = train_reply(message, self.layout, self.n_clusters,
-                                    self.experiment.clip_norm)
+                                    self.experiment.clip_norm, self.experiment.num_classes)
             except ValueError as exc:
                 self._drop_unusable(server_round, partition, str(exc))
                 continue
@@ -313,6 +314,8 @@ class ClusteredStrategy(Strategy):
             silo.batch_size = None if batch is None else int(batch)
             silo.dprivacy_leakage = known_number(reply.metrics, "dprivacy-leakage")
             self._note_learning_rate(server_round, partition, reply)
+            if reply.cluster == MAJORITY:
+                silo.majority_class = int(number(reply.metrics, "majority-class"))
         for partition, multiple in far_off_updates(good).items():
             del good[partition]
             self._drop_unusable(server_round, partition, f"its update's norm is {multiple:.3g} "
@@ -370,32 +373,42 @@ class ClusteredStrategy(Strategy):
         report = self.reports[-1]
         if self.evaluates(server_round):
             sent, self._evaluating = self._evaluating or _Sent({}), None
-            report.test_accuracy = self._fold_evaluate(sent.by_silo(replies))
+            self._fold_evaluate(report, sent.by_silo(replies))
             report.evaluate_seconds = time.monotonic() - sent.at
         self._log_round(report)
         if self.observer is not None:
             self.observer.round_done(self, report)
         if not report.test_accuracy:
             return None
-        return MetricRecord({"test-accuracy": float(np.mean(list(report.test_accuracy.values())))})
+        figures = {"test-accuracy": report.test_accuracy,
+                   "test-balanced-accuracy": report.test_balanced_accuracy,
+                   "test-auroc": report.test_auroc}
+        return MetricRecord({key: float(np.mean(list(values.values())))
+                             for key, values in figures.items() if values})
 
-    def _fold_evaluate(self, replies: dict[int, Message]) -> dict[int, float]:
-        accuracy = {}
+    def _fold_evaluate(self, report: RoundReport, replies: dict[int, Message]) -> None:
+        """The round's evaluation replies into ``report`` and the silos' records; a reply
+        that is an error or fails its checks is logged and left out."""
+        report.test_accuracy = {}
         for partition, message in replies.items():
             if message.has_error():
                 logger.error("evaluation on silo %d failed: %s", partition, message.error.reason)
                 continue
             try:
-                _, values = reply_numbers(message, ("test-accuracy", "test-loss",
-                                                    "epsilon-spent"))
+                tested = evaluate_reply(message, self.experiment.num_classes)
             except ValueError as exc:
                 logger.error("evaluation on silo %d: a reply the server cannot use: %s",
                              partition, exc)
                 continue
             silo = self.silos[partition]
-            silo.test_accuracy, silo.test_loss, silo.epsilon_spent = values
-            accuracy[partition] = silo.test_accuracy
-        return accuracy
+            silo.test_accuracy, silo.test_loss = tested.accuracy, tested.loss
+            silo.epsilon_spent = tested.epsilon_spent
+            silo.test_balanced_accuracy, silo.test_auroc = tested.balanced_accuracy, tested.auroc
+            report.test_accuracy[partition] = tested.accuracy
+            if tested.balanced_accuracy is not None:
+                report.test_balanced_accuracy[partition] = tested.balanced_accuracy
+            if tested.auroc is not None:
+                report.test_auroc[partition] = tested.auroc
 
     def _log_round(self, report: RoundReport) -> None:
         tested = report.test_accuracy
