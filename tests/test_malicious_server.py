@@ -26,7 +26,7 @@ from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.data import ClientData
 from dpcfl_flwr.models import build_model
 from dpcfl_flwr.privacy.ledger import PrivacyBudget, PrivacyLedger
-from dpcfl_flwr.privacy.metrics import metric_release_cost, noisy_evaluation
+from dpcfl_flwr.privacy.metrics import EvaluationSums, metric_release_cost, noisy_release
 from dpcfl_flwr.privacy.rdp import DEFAULT_ORDERS
 from dpcfl_flwr.protocol import (
     ANCHOR,
@@ -321,14 +321,16 @@ def test_private_metrics_reserve_budget_for_the_announced_evaluations(tmp_path,
 
 
 def test_the_evaluation_noise_has_the_charged_scale():
-    """Independent check of the mechanism: the released count's noise has std z * sqrt(2) (the
-    L2 sensitivity of (correct, clipped loss / bound)), so the ledger's alpha / (2 z^2) holds."""
+    """Independent check of the mechanism: the released count's noise has std z * 2 (the L2
+    sensitivity of (correct, clipped loss / bound, per-class correct, per-class count) with
+    ten classes), so the ledger's alpha / (2 z^2) holds."""
     generator = torch.Generator().manual_seed(0)
     z, count = 3.0, 1000
-    draws = np.array([noisy_evaluation(600, 0.0, count, z, generator)[1] * count
+    exact = EvaluationSums(count, 600, 0.0, np.full(10, 60), np.full(10, 100))
+    draws = np.array([noisy_release(exact, z, generator).accuracy * count
                       for _ in range(20000)])
     assert draws.mean() == pytest.approx(600, abs=0.1)
-    assert draws.std() == pytest.approx(z * math.sqrt(2), rel=0.03)
+    assert draws.std() == pytest.approx(z * 2, rel=0.03)
     curve = PrivacyLedger().rdp([metric_release_cost(z, None)])
     assert np.allclose(curve, np.array(DEFAULT_ORDERS) / (2 * z**2))
 

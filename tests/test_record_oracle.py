@@ -152,7 +152,8 @@ def _comparable(reply: Message) -> tuple:
     the update and the (noised, charged) test metrics."""
     if reply.has_error():
         return ("error", reply.error.code, reply.error.reason)
-    released = {UPDATE, "test-loss", "test-accuracy"}
+    released = {UPDATE, "test-loss", "test-accuracy", "class-correct", "class-count",
+                "score-histogram"}
     numbers = {name: {k: v for k, v in metrics_of(reply, name).items() if k not in released}
                for name in (SILO, METRICS) if name in reply.content}
     return ("reply", numbers)

@@ -429,7 +429,9 @@ class _Tally:
 
     def add(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         losses = nn.functional.cross_entropy(logits, target, reduction="none")
-        self.loss_sum += float(bounded_losses(losses, self.loss_bound).sum())
+        # summed in float64: a float32 sum's rounding would let one record move it by more
+        # than its own (bounded) loss, past the sensitivity the release is charged for
+        self.loss_sum += float(bounded_losses(losses.double(), self.loss_bound).sum())
         right = logits.argmax(dim=1) == target
         self.correct += int(right.sum())
         classes = len(self.class_count)

@@ -25,7 +25,10 @@ counts other classes or other bins. So the change has at most five non-zero coor
 
     ||v(D) - v(D')||_2 <= sqrt(5) (K = 2),  sqrt(4) = 2 (K != 2)      (:func:`release_sensitivity`)
 
-with equality for a record predicted right whose clipped loss reaches the bound. Each
+with equality for a record whose output the server's weights make NaN or infinite at its own
+class: that counts as a right prediction (argmax takes a NaN as the largest) and its loss as
+LOSS_BOUND (:func:`~..dpsgd.training.bounded_losses`); on finite outputs a right prediction
+costs at most ln K nats, so the bound is not reached there. Each
 coordinate gets N(0, (z Delta)^2) noise, Delta that sensitivity and z = ``metrics-noise``: the
 Gaussian mechanism with noise multiplier z, whose RDP is alpha / (2 z^2) whatever Delta is (the
 noise is scaled to it). That is one :class:`GaussianSteps` entry at sample rate 1 and one step,
