@@ -100,6 +100,91 @@ def test_bad_grid_configs_are_refused(tmp_path):
         run_config(plan_grid(["global"], [5], [0], tmp_path)[0], base, per_method)
 
 
+def _finished(run: GridRun, accuracy: float, balanced: float, area: float | None) -> None:
+    """A finished cell's results.json, with the summary a run writes."""
+    run.directory.mkdir(parents=True, exist_ok=True)
+    (run.directory / "results.json").write_text(json.dumps({
+        "complete": True, "method": run.method, "config": {"method": run.method},
+        "clients": [{"noise_multiplier": 1.0}], "rounds": [], "clustering": {},
+        "summary": {"mean_accuracy": accuracy, "minority_accuracy": None,
+                    "mean_balanced_accuracy": balanced, "mean_auroc": area,
+                    "max_epsilon_spent": 4.9}}))
+
+
+def test_the_baselines_join_every_grid_off_its_aggregation_axis(tmp_path):
+    assert compare.baselines_for(["rdpcfl", "global"]) == ["local", "majority"]
+    assert compare.baselines_for(["local", "global"]) == ["majority"]
+    added = compare.baselines_for(["global"])
+    runs = plan_grid(["global"], [5], [0], tmp_path, ["uniform", "robust-hdp"], added)
+    assert [(r.method, r.rule, r.baseline) for r in runs] == [
+        ("global", "uniform", False), ("global", "robust-hdp", False),
+        ("local", None, True), ("majority", None, True)]
+    assert runs[3].directory == tmp_path / "majority" / "eps5" / "seed0"
+    assert compare.variants(["global"], ["uniform", "robust-hdp"], added) == [
+        "global/uniform", "global/robust-hdp", "local", "majority"]
+    # a baseline combines no updates: the config's rule does not apply to it
+    base = {"aggregation": "samples"}
+    assert [run_config(r, base, {})["aggregation"] for r in runs] == [
+        "uniform", "robust-hdp", "uniform", "uniform"]
+    assert run_config(runs[3], {}, {})["majority.select-ratio"] == 0.05
+    asked = plan_grid(["local"], [5], [0], tmp_path)[0]  # asked for by name: as before
+    with pytest.raises(ConfigError, match="method local combines its updates its own way"):
+        run_config(asked, base, {})
+
+
+def test_the_tables_put_the_baselines_beside_the_methods_with_balanced_accuracy_and_auroc(
+        tmp_path):
+    from dpcfl_flwr.runs.compare_report import collect, write_reports
+
+    added = compare.baselines_for(["global"])
+    runs = plan_grid(["global"], [5], [0, 1], tmp_path, None, added)
+    figures = {"global": (0.90, 0.62, 0.81), "local": (0.86, 0.70, 0.77),
+               "majority": (0.80, 0.50, 0.50)}
+    for run in runs:
+        accuracy, balanced, area = figures[run.method]
+        _finished(run, accuracy + 0.01 * run.seed, balanced + 0.02 * run.seed, area)
+    table = write_reports(collect(runs), compare.variants(["global"], None, added), [5.0],
+                          tmp_path)
+    sections = {part.lstrip("*").split("**")[0]: part for part in table.split("\n\n**")}
+    accuracy = next(v for k, v in sections.items() if k.startswith("Mean test accuracy over all"))
+    balanced = next(v for k, v in sections.items() if k.startswith("Mean balanced accuracy"))
+    auroc = next(v for k, v in sections.items() if k.startswith("Mean AUROC"))
+    assert "| global | 90.5 ± 0.5 |" in accuracy and "| majority | 80.5 ± 0.5 |" in accuracy
+    assert "| local | 71.0 ± 1.0 |" in balanced and "| majority | 51.0 ± 1.0 |" in balanced
+    assert "| global | 0.810 ± 0.000 |" in auroc and "| majority | 0.500 ± 0.000 |" in auroc
+    assert table.index("| global |") < table.index("| local |") < table.index("| majority |")
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = {row["method"]: row for row in csv.DictReader(handle)}
+    assert set(rows) == {"global", "local", "majority"}
+    assert float(rows["majority"]["balanced_accuracy_mean"]) == pytest.approx(0.51)
+    assert float(rows["local"]["auroc_mean"]) == pytest.approx(0.77)
+
+
+@pytest.mark.parametrize("option, expected", [((), {"global", "local", "majority"}),
+                                              (("--no-baselines",), {"global"})])
+def test_dpcfl_compare_runs_the_baselines_unless_told_not_to(tmp_path, monkeypatch, option,
+                                                             expected):
+    from typer.testing import CliRunner
+
+    from dpcfl_flwr.cli import app
+
+    ran: list[str] = []
+
+    def execute(run: GridRun, *_: object) -> None:
+        ran.append(run.method)
+        _finished(run, 0.7, 0.6, None)
+
+    monkeypatch.setattr(compare, "execute", execute)
+    out = tmp_path / "out"
+    shown = CliRunner().invoke(app, ["compare", "--methods", "global", "--epsilons", "5",
+                                     "--seeds", "0", "--out", str(out), *option])
+    assert shown.exit_code == 0, shown.output
+    assert set(ran) == expected
+    table = (out / "summary.md").read_text()
+    assert {m for m in ("global", "local", "majority") if f"| {m} |" in table} == expected
+    assert "Mean balanced accuracy" in table and "AUROC" not in table  # ten classes
+
+
 def _compare(config: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--methods", "global,local",
@@ -131,11 +216,17 @@ def test_an_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path):
     assert (first.directory / "results.json").stat().st_mtime == finished_at
     assert second.results() is not None
     table = (out / "summary.md").read_text()
-    assert "| global |" in table and "| local |" in table
+    assert "| global |" in table and "| local |" in table and "| majority |" in table
     assert "**Privacy: the silos' noise multiplier z" in table
     with (out / "summary.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    assert {r["method"] for r in rows} == {"global", "local"}
+        rows = {r["method"]: r for r in csv.DictReader(handle)}
+    assert set(rows) == {"global", "local", "majority"}  # the grid adds the majority class
     assert all(0 < float(r["max_epsilon_spent"]) <= 5.0 and float(r["max_noise_multiplier"]) > 0
-               for r in rows)
+               for m, r in rows.items() if m != "majority")
+    # the majority baseline: no DP-SGD, one selection at 5% of the budget, balanced accuracy
+    # no better than chance over the classes present
+    majority = rows["majority"]
+    assert float(majority["max_noise_multiplier"]) == 0.0
+    assert 0 < float(majority["max_epsilon_spent"]) <= 0.05 * 5.0 + 1e-6
+    assert float(majority["balanced_accuracy_mean"]) <= 0.5
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"

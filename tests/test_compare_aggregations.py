@@ -185,7 +185,9 @@ def test_tables_show_the_noise_level_per_rule_and_dashes_for_old_results(tmp_pat
                            "minority_mean", "minority_std", "found_structure",
                            "minority_isolated", "max_noise_multiplier", "max_epsilon_spent"]
     assert header[11:] == ["aggregation", "noise_level_mean", "noise_level_std",
-                           "noise_vs_oracle_mean", "noise_vs_oracle_std"]
+                           "noise_vs_oracle_mean", "noise_vs_oracle_std",
+                           "balanced_accuracy_mean", "balanced_accuracy_std", "auroc_mean",
+                           "auroc_std"]
     assert float(by_rule["uniform"]["noise_level_mean"]) == pytest.approx(level)
     assert float(by_rule["uniform"]["noise_vs_oracle_mean"]) > float(
         by_rule["robust-hdp"]["noise_vs_oracle_mean"]) > 1.0

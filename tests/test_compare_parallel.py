@@ -30,7 +30,7 @@ def _compare(config: Path, out: Path, *options: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "dpcfl_flwr.cli", "compare", "--methods", ",".join(METHODS),
          "--epsilons", "5", "--seeds", ",".join(map(str, SEEDS)), "--config", str(config),
-         "--out", str(out), *options],
+         "--out", str(out), "--no-baselines", *options],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -174,13 +174,14 @@ def _spent_before(results: dict[str, Any]) -> str:
 
 
 def silo_table(results: dict[str, Any]) -> Table:
-    """Each silo's outcome: cluster (true → final), test accuracy, balanced accuracy and
-    their round, epsilon spent (in this run / before it) against the budget it claims, its
-    noise multiplier z and batch b_i, its weight in its cluster's last aggregation, and the
-    rounds it dropped out of / it refused. A figure older results lack is ``-``. Headers wrap
-    at spaces: the table fits 100 columns."""
+    """Each silo's outcome: cluster (true → final), test accuracy and its round, epsilon spent
+    (in this run / before it) against the budget it claims, its noise multiplier z and batch
+    b_i, its weight in its cluster's last aggregation, and the rounds it dropped out of / it
+    refused. A figure older results lack is ``-``. Headers wrap at spaces: the table fits 100
+    columns (each silo's balanced accuracy and AUROC are in results.json and TensorBoard;
+    their means in :func:`summary_table`)."""
     table = Table(title="silos", show_header=True)
-    for column in ("silo", "cluster true → final", "test acc", "bal acc", "round", "eps spent",
+    for column in ("silo", "cluster true → final", "test acc", "round", "eps spent",
                    "eps claim", "spent before", "z", "batch", "weight", "dropped / refused"):
         # A header of several words takes the width of its longest (5 at least: 0.123), so its
         # words wrap; left alone, rich narrows the widest columns first and cuts their headers.
@@ -189,7 +190,6 @@ def silo_table(results: dict[str, Any]) -> Table:
     for c in results["clients"]:
         table.add_row(str(c["partition"]), f"{c['true_cluster']} → {c['final_cluster']}",
                       percent(c.get("test_accuracy")) + (" stale" if c.get("stale") else ""),
-                      percent(c.get("test_balanced_accuracy")),
                       str(c.get("evaluated_round") or "-"), _number(c.get("epsilon_spent"), 3),
                       _number(c.get("epsilon_budget"), 4, "g"),
                       _number(c.get("epsilon_spent_before_run") or 0.0, 3),
