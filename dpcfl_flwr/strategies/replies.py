@@ -121,7 +121,8 @@ def evaluate_reply(message: Message, num_classes: int) -> EvaluateReply:
     sums = evaluation_of(metrics, num_classes)
     area = None if sums.score_histogram is None else auroc(
         sums.score_histogram, sums.class_count, sums.noise_std)
-    return EvaluateReply(sums.accuracy, sums.loss, spent,
+    # accuracy and loss as sent (not back from the sums, whose products may round)
+    return EvaluateReply(number(metrics, "test-accuracy"), number(metrics, "test-loss"), spent,
                          balanced_accuracy(sums.class_correct, sums.class_count,
                                            sums.noise_std), area)
 
