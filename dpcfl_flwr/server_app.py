@@ -55,8 +55,10 @@ def run_experiment(grid: Grid, experiment: ExperimentConfig) -> dict:
         board.close()
     summary = results["summary"]
     minority = summary.get("minority_accuracy")
-    logger.info("results in %s: mean accuracy %.4f, minority accuracy %s",
+    balanced = summary.get("mean_balanced_accuracy")
+    logger.info("results in %s: mean accuracy %.4f, balanced %s, minority accuracy %s",
                 Path(experiment.out_dir).resolve(), summary.get("mean_accuracy") or 0.0,
+                "-" if balanced is None else f"{balanced:.4f}",
                 "- (no minority cluster)" if minority is None else f"{minority:.4f}")
     return results
 
