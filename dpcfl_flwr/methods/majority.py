@@ -51,6 +51,10 @@ class Majority(Method):
         return Schedule(e.num_server_rounds, e.local_epochs, e.batch_size, e.batch_size, 1,
                         self.params.select_ratio, e.conversion, e.budget_mode)
 
+    def chooses_learning_rate(self) -> bool:
+        """No: nothing is trained, so there is no learning rate to spend budget on."""
+        return False
+
     def stage(self, server_round: int) -> str:
         return "majority"
 
