@@ -21,12 +21,22 @@ from dpcfl_flwr.config.settings import parse_node_config, parse_run_config
 from dpcfl_flwr.privacy.ledger import GaussianSteps, PrivacyBudget, PrivacyLedger, Selection
 from dpcfl_flwr.privacy.metrics import release_sensitivity
 from dpcfl_flwr.privacy.selection import selection_rdp
-from dpcfl_flwr.protocol import BAD_REQUEST, CONFIG, MAJORITY, UPDATE, metrics_of, one_record
+from dpcfl_flwr.protocol import (
+    BAD_REQUEST,
+    CONFIG,
+    MAJORITY,
+    METRICS,
+    UPDATE,
+    ModelLayout,
+    metrics_of,
+    one_record,
+    pack,
+)
 from dpcfl_flwr.runs.progress import summary_table
 from dpcfl_flwr.server_app import run_experiment
 from dpcfl_flwr.silo.majority import choose_class
 from dpcfl_flwr.silo.silo import Silo
-from dpcfl_flwr.strategies.replies import evaluate_reply
+from dpcfl_flwr.strategies.replies import evaluate_reply, train_reply
 from tests.grid_double import GridDouble
 from tests.test_malicious_server import (
     DELTA,
@@ -134,6 +144,26 @@ def test_a_training_plan_and_a_majority_round_do_not_mix_in_one_run(tmp_path,
     reply = _train(attacker, 2)
     assert reply.has_error() and "changed the DP schedule" in reply.error.reason
     assert len(attacker.ledger().entries) == 1
+
+
+def test_the_server_drops_a_majority_reply_without_a_class_of_the_run_or_with_an_update(
+        server_task_identity):
+    layout = ModelLayout(["w"], [(3,)])
+
+    def reply(fields: dict[str, Any], update: bool = False) -> Message:
+        models = {UPDATE: pack(np.zeros(3, dtype=np.float32))} if update else None
+        return Message(one_record(METRICS, {"cluster": MAJORITY, "epsilon-spent": 0.1,
+                                            "noise-multiplier": 0.0, **fields}, models),
+                       dst_node_id=5, message_type="train")
+
+    checked = train_reply(reply({"majority-class": 1}), layout, 0, 1.0, 2)
+    assert checked.cluster == MAJORITY and checked.update is None
+    for fields in ({}, {"majority-class": 2}, {"majority-class": 0.5},
+                   {"majority-class": -1}, {"majority-class": math.nan}):
+        with pytest.raises(ValueError, match="must name a class 0..1"):
+            train_reply(reply(fields), layout, 0, 1.0, 2)
+    with pytest.raises(ValueError, match="trains nothing"):
+        train_reply(reply({"majority-class": 0}, update=True), layout, 0, 1.0, 2)
 
 
 # --- a whole run ---------------------------------------------------------------------------------
