@@ -44,8 +44,8 @@ from .validation import ConfigError, ConfigModel, kebab, one_line_error
 #: The default candidates' step lengths, learning rate x clip norm: how far one step on
 #: clipped gradients may move the weights (a record's clipped gradient has norm at most C,
 #: so the learning rate that gives a step length scales as 1 / C). Half-decades that span
-#: the rates good DP-SGD runs use on standardised inputs (docs/algorithm.md#choosing-the-
-#: learning-rate); the silo picks among them privately.
+#: the rates good DP-SGD runs use on standardised inputs; the silo picks among them
+#: privately (docs/algorithm.md#choosing-the-learning-rate).
 STEP_LENGTHS = (0.015, 0.05, 0.15, 0.5)
 
 
