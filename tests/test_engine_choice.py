@@ -151,7 +151,8 @@ def _norm(tensors: list[torch.Tensor]) -> float:
 def test_opacus_ghost_clipping_lets_one_record_exceed_the_clip_and_our_candidates_do_not():
     """One record at clip 1, over a few draws of inputs and biases: ghost clipping's second
     pass (backward of c x loss) rounds differently from the first, where the hidden gradient
-    cancelled; its released sum is ~1e8 for some draws. Every engine ``auto`` can pick forms
+    cancelled; its released sum is far beyond the clip for some draws (~1e8 on an AMD EPYC,
+    ~40 on an Intel Xeon: the rounding is the CPU's). Every engine ``auto`` can pick forms
     the norm and the sum from the same numbers and stays within the clip."""
     worst = {"ghost": 0.0, "layerwise": 0.0, "hooks": 0.0, "functorch": 0.0}
     for seed in range(40):
@@ -168,6 +169,6 @@ def test_opacus_ghost_clipping_lets_one_record_exceed_the_clip_and_our_candidate
                 worst[mode] = max(worst[mode], _norm(engine.clipped_sum(x, y, 1.0)))
             finally:
                 engine.close()
-    assert worst["ghost"] > 1e3, worst
+    assert worst["ghost"] > 10.0, worst
     assert all(worst[mode] <= 1.0 + 1e-5 for mode in ("layerwise", "hooks", "functorch")), worst
     assert "ghost" not in MEASURED

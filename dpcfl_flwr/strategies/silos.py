@@ -217,8 +217,8 @@ class SiloRoster:
     def adopt(self, restored: dict[int, SiloInfo]) -> None:
         """A resumed run's silos (``restored``, by partition, from its checkpoint): one that
         has rejoined keeps its history (rounds dropped or refused, last evaluation, noise,
-        budget state) under its new node id; one that has not stays in the run's results,
-        on no node until it rejoins (:meth:`refresh_silos`)."""
+        budget state, the learning rate it chose) under its new node id; one that has not
+        stays in the run's results, on no node until it rejoins (:meth:`refresh_silos`)."""
         for partition, before in restored.items():
             now = self.silos.get(partition)
             if now is None:
@@ -231,6 +231,8 @@ class SiloRoster:
             now.test_auroc, now.majority_class = before.test_auroc, before.majority_class
             now.noise_multiplier, now.exhausted = before.noise_multiplier, before.exhausted
             now.epsilon_spent_before = before.epsilon_spent_before
+            # its private choice: asked again, it would train and be charged for it twice
+            now.learning_rate = before.learning_rate
 
     def _register(self, node: int, fields: list[float]) -> None:
         """``fields``: the silo's SILO_FIELDS, in that order."""
