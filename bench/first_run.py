@@ -162,6 +162,8 @@ def _row(label: str, result: dict[str, Any]) -> str:
     ari = clustering.get("final_ari", clustering.get("ari", "-"))
     ari_text = f"{ari:.2f}" if isinstance(ari, float) else str(ari)
     chosen = ", ".join(f"{r} x{n}" for r, n in sorted(rates.items())) or "set"
+    if result.get("learning_rate"):
+        chosen += f"; all train at {result['learning_rate']:.3g}"
     return (f"| {label} | {100 * float(np.mean(accuracies)):.1f} | {m} | {ari_text} | "
             f"{chosen} | {result['wall']:.0f} |")
 
@@ -172,7 +174,7 @@ def federation_table(name: str, seed: int, epsilon: float) -> str:
     base = {**built["keys"], "method": "rdpcfl", "epsilon": epsilon, "seed": seed}
     lines = [f"**{name}** (seed {seed}, epsilon {epsilon:g}; majority class "
              f"{majority_accuracy(built['labels']):.1f}%)", "",
-             "| run | mean acc (%) | M | final ARI | learning rates | wall (s) |",
+             "| run | mean acc (%) | M | final ARI | learning rates (silos' choices) | wall (s) |",
              "|---|---|---|---|---|---|"]
     lines.append(_row("R-DPCFL, defaults", simulate(base, root / "rdpcfl-defaults")))
     for rate in HAND_RATES:

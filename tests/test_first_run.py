@@ -57,6 +57,8 @@ def test_a_run_config_of_schema_method_and_budget_learns_on_raw_exported_records
                         for tr, te in labels])
     accuracies = [c["test_accuracy"] for c in results["clients"]]
     assert np.mean(accuracies) > majority + 0.3, (accuracies, majority)
+    votes = Counter(c["learning_rate"] for c in results["clients"])
+    assert results["learning_rate"] == max(votes, key=lambda r: (votes[r], r))
     for client in results["clients"]:
         assert any(np.isclose(client["learning_rate"], c) for c in candidates)
         # the plan holds the choice: 3 more rounds of steps and one more selection than the

@@ -198,6 +198,8 @@ class RunRecorder:
             "wall_seconds": round(time.time() - self.started, 2),
             "config": self.experiment.to_run_config(),
             "rounds": self.rounds, "clients": clients,
+            # the rate every silo trains at once it has chosen (None: the run set one)
+            "learning_rate": strategy.federation_learning_rate(),
             "clustering": self._clustering(strategy, truth, final),
             "summary": summarise(clients, truth, last),
         }

@@ -19,6 +19,7 @@ import logging
 import math
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -251,16 +252,31 @@ class ClusteredStrategy(Strategy):
             else ()
 
     def _learning_rate(self, server_round: int, partition: int | None) -> dict[str, Any]:
-        """The round's learning rate for a silo: the run's; else the one the silo chose; else,
-        from the method's tuning round on, the candidates to choose among
-        (docs/algorithm.md#choosing-the-learning-rate)."""
+        """The round's learning rate for a silo: the run's; else, once the silo has chosen,
+        the federation's (:meth:`federation_learning_rate`); else, from the method's tuning
+        round on, the candidates to choose among (docs/algorithm.md#choosing-the-learning-rate)."""
         grid, base = self.learning_rate_grid(), self.experiment.base_learning_rate
         chosen = None if partition is None else self.silos[partition].learning_rate
-        if not grid or chosen is not None:
-            return {"learning-rate": chosen or base}
+        if not grid:
+            return {"learning-rate": base}
+        if chosen is not None:
+            return {"learning-rate": self.federation_learning_rate() or chosen}
         if server_round < self.method.tuning_round():
             return {"learning-rate": base}
         return {"learning-rate": base, "learning-rate-candidates": ",".join(map(repr, grid))}
+
+    def federation_learning_rate(self) -> float | None:
+        """The candidate most silos chose (the larger among ties), or None before any chose.
+
+        One silo's choice rests on one round of its own records, a noisy score where it holds
+        few (on 119 records of 8 x 8 digits each silo's pick ranged over all four candidates);
+        the silos' votes together are a steadier one. It is post-processing of their DP
+        choices and costs nothing more."""
+        votes = Counter(s.learning_rate for s in self.silos.values()
+                        if s.learning_rate is not None)
+        if not votes:
+            return None
+        return max(votes, key=lambda rate: (votes[rate], rate))
 
     def epsilon_target(self) -> float:
         """``aggregation = "min-eps"``: the smallest budget the silos claim, fixed when first
