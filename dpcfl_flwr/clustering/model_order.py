@@ -76,12 +76,9 @@ def noise_variances(updates: UpdateMatrix,
 def mean_update(updates: UpdateMatrix, columns: np.ndarray) -> np.ndarray:
     """The mean of all updates, at the given column indices (sorted), one block at a time."""
     means = []
-    start = 0
-    for block in column_blocks(updates):
-        stop = start + block.shape[1]
-        inside = columns[(columns >= start) & (columns < stop)] - start
+    for start, block in _offsets(updates):
+        inside = columns[(columns >= start) & (columns < start + block.shape[1])] - start
         means.append(block[:, inside].mean(axis=0))
-        start = stop
     return np.concatenate(means)
 
 

@@ -36,7 +36,7 @@ from ..privacy.defaults import (
     BudgetMode,
     Conversion,
 )
-from ..privacy.schedule import MAX_TUNED_RATES
+from ..privacy.schedule import check_candidates
 from . import registry
 from .heterogeneity import partition_list, per_silo_values
 from .validation import ConfigError, ConfigModel, kebab, one_line_error
@@ -241,9 +241,7 @@ class ExperimentConfig(ConfigModel):
     @field_validator("learning_rate_candidates")
     @classmethod
     def _valid_candidates(cls, value: str) -> str:
-        rates = parse_floats(value)
-        if rates and not (2 <= len(rates) <= MAX_TUNED_RATES and min(rates) > 0):
-            raise ValueError(f"give 2 to {MAX_TUNED_RATES} positive learning rates")
+        check_candidates(parse_floats(value))
         return value
 
     @model_validator(mode="after")

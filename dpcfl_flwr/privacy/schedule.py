@@ -28,6 +28,12 @@ MAX_TUNED_RATES = 8
 TUNING_SELECT_RATIO = 0.03
 
 
+def check_candidates(rates: tuple[float, ...]) -> None:
+    """ValueError unless ``rates`` is empty or 2..MAX_TUNED_RATES positive learning rates."""
+    if rates and not (2 <= len(rates) <= MAX_TUNED_RATES and min(rates) > 0):
+        raise ValueError(f"give 2 to {MAX_TUNED_RATES} positive learning rates")
+
+
 @dataclass(frozen=True)
 class GaussianPhase:
     """``steps`` SGM steps at Poisson rate ``sample_rate`` (steps may be fractional only in

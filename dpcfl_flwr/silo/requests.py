@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from ..config.validation import ConfigError, ConfigModel, one_line_error
 from ..data.schema import parse_floats
 from ..privacy.defaults import UNNAMED_ACCOUNTANT, AccountantName, BudgetMode, Conversion
-from ..privacy.schedule import MAX_TUNED_RATES, Schedule
+from ..privacy.schedule import MAX_TUNED_RATES, Schedule, check_candidates
 from ..protocol import CONFIG, MAJORITY
 
 #: Caps that keep a request from tying a silo up for days; any real schedule is far below.
@@ -98,10 +98,7 @@ class TrainRequest(_Request):
     @field_validator("learning_rate_candidates")
     @classmethod
     def _valid_candidates(cls, value: str) -> str:
-        rates = parse_floats(value)
-        if rates and not (2 <= len(rates) <= MAX_TUNED_RATES and min(rates) > 0):
-            raise ValueError(f"'learning-rate-candidates' must hold 2 to {MAX_TUNED_RATES} "
-                             "positive numbers")
+        check_candidates(parse_floats(value))
         return value
 
     @model_validator(mode="after")
